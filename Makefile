@@ -1,0 +1,40 @@
+# Two commands do all the set-up: `make demo` and `make test`. Each creates .venv from nothing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+TORCH_VERSION ?= 2.13.0
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: venv test demo lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -q "torch>=2.4"
+else
+	# No GPU: take the CPU build of torch (a plain `torch` would pull a multi-GB CUDA build).
+	$(PIP) install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	  $(PIP) install -q --index-url https://download.pytorch.org/whl/cpu "torch==$(TORCH_VERSION)+cpu"
+endif
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest
+
+demo: venv
+	$(PY) -m train.demo --out runs/demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+bench: venv
+	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,32 @@
+"""One logging format for every command, gated to rank 0 under torchrun/accelerate."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def process_rank() -> int:
+    """Global rank from the launcher's environment (0 when not launched distributed)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def setup_logging(level: int | str = logging.INFO, all_ranks: bool = False) -> None:
+    """Configure the root logger once. Non-zero ranks log warnings and errors only."""
+    if isinstance(level, str):
+        level = logging.getLevelName(level.upper())
+    rank = process_rank()
+    if rank != 0 and not all_ranks:
+        level = logging.WARNING
+    fmt = FORMAT if rank == 0 else f"[rank {rank}] {FORMAT}"
+    root = logging.getLogger()
+    root.handlers.clear()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(level)
+    for noisy in ("urllib3", "fsspec", "asyncio", "numcodecs", "zarr", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
