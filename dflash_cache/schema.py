@@ -105,6 +105,11 @@ class TrainConfig(Section):
     loss_gamma: float | None = Field(None, gt=0)  # None: 7 for B=16, 5 for B=10, 4 for B=8
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     log_every: int = Field(1, gt=0)
+    # Fault injection for tests and drills (real code path, off by default): the loss of each listed
+    # step is replaced by NaN, or multiplied by inject_spike_scale, before backward.
+    inject_nan_steps: list[int] = Field(default_factory=list)
+    inject_spike_steps: list[int] = Field(default_factory=list)
+    inject_spike_scale: float = 1e6
 
 
 class LoaderConfig(Section):
@@ -122,12 +127,17 @@ class CheckpointConfig(Section):
     every_steps: int = Field(1000, gt=0)
     keep_last: int = Field(3, ge=2)  # >= 2: the newest may still be being written
     save_on_signal: bool = True
+    resume: bool = True  # continue from the latest valid checkpoint in the run dir
+    # resume even if the cache fingerprint differs from the one the checkpoint was trained on
+    ignore_fingerprint_mismatch: bool = False
 
 
 class GuardsConfig(Section):
     window: int = Field(128, ge=8)
     min_history: int = Field(16, ge=4)
     z_threshold: float = Field(6.0, gt=0)
+    # sigma floor relative to the window median, so a very quiet window does not flag normal noise
+    min_rel_sigma: float = Field(0.05, ge=0)
     max_consecutive_skips: int = Field(20, gt=0)
 
 
@@ -141,6 +151,7 @@ class EvalConfig(Section):
 class MetricsConfig(Section):
     tensorboard: bool = True
     smoothing_window: int = Field(50, gt=0)
+    progress_bar: bool = True
 
 
 class PipelineConfig(Section):
