@@ -113,14 +113,18 @@ class TrainConfig(Section):
 
 
 class LoaderConfig(Section):
-    tokens_per_batch: int = Field(16384, gt=0)
+    tokens_per_batch: int = Field(16384, gt=0)  # rows * padded length <= this; a longer sample is an error
     num_readers: int = Field(2, gt=0)
-    max_buffer_bytes: int = Field(1 << 30, gt=0)
-    packing: bool = False
+    max_buffer_bytes: int = Field(1 << 30, gt=0)  # prefetched batches held in host memory, at most
+    packing: bool = False  # pack several samples per row (doc_ids/position_ids mark documents)
+    pack_row_tokens: int | None = Field(None, gt=0)  # packed row length; None: tokens_per_batch
+    sort_window: int = Field(64, gt=0)  # batches' worth of tokens sorted by length together
     on_corrupt: Literal["error", "skip"] = "error"
-    live: bool = False
+    live: bool = False  # follow a cache still being extracted
     live_poll_s: float = Field(5.0, gt=0)
+    live_timeout_s: float | None = Field(None, gt=0)  # stop waiting for new parts after this long idle
     holdout_fraction: float = Field(0.02, ge=0, lt=1)  # samples (by id hash) kept for evaluation
+    pin_memory: bool = True  # page-locked host batches when a CUDA device is used
 
 
 class CheckpointConfig(Section):
