@@ -15,7 +15,7 @@ How an epoch is built:
      ``rows * longest <= tokens_per_batch``;
    - packed rows (``packing``): samples are packed back to back into rows of at most
      ``row_tokens`` tokens (longest-first onto the emptiest row), ``tokens_per_batch //
-     row_tokens`` rows per batch, rows padded to the fullest row of the batch.
+     row_tokens`` rows per batch (rows of similar fill together), padded to the fullest row.
 3. The batch order within each bucket is shuffled, and buckets are interleaved by a stride:
    batch i of a bucket with n batches sits at (i + u_b) / n for a random offset u_b, so every
    bucket is spread evenly over the whole epoch, in proportion to its token count.
@@ -238,7 +238,7 @@ def _bucket_batches(pos: np.ndarray, lengths: np.ndarray, bucket: int, s: PlanSe
     batches: list[PlannedBatch] = []
     for win in _sort_windows(pos, lengths, s, rng):
         if s.packing:
-            batches.extend(_packed_batches(win, lengths, bucket, s, rng))
+            batches.extend(_packed_batches(win, lengths, bucket, s))
         else:
             batches.extend(_padded_batches(win, lengths, bucket, s.tokens_per_batch))
     return [batches[i] for i in rng.permutation(len(batches))]
@@ -280,10 +280,9 @@ def _pack_rows(win: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list
     return [r for r in rows if r]
 
 
-def _packed_batches(win: np.ndarray, lengths: np.ndarray, bucket: int, s: PlanSettings,
-                    rng: np.random.Generator) -> list[PlannedBatch]:
-    rows = _pack_rows(win, lengths, s.pack_row_tokens())
-    rows = [np.asarray(rows[i], dtype=np.int64) for i in rng.permutation(len(rows))]
+def _packed_batches(win: np.ndarray, lengths: np.ndarray, bucket: int, s: PlanSettings) -> list[PlannedBatch]:
+    rows = [np.asarray(r, dtype=np.int64) for r in _pack_rows(win, lengths, s.pack_row_tokens())]
+    rows.sort(key=lambda r: int(lengths[r].sum()))  # rows of similar fill share a batch (padding)
     per = max(1, s.tokens_per_batch // s.pack_row_tokens())
     return [_packed(rows[i:i + per], lengths, bucket) for i in range(0, len(rows), per)]
 
