@@ -1,0 +1,511 @@
+"""The DFlash drafter: a small Qwen3-style decoder conditioned on target features.
+
+Parameter names are those of the released DFlash drafters (``fc``, ``hidden_norm``,
+``layers.{i}.self_attn.{q,k,v,o}_proj``, ``q_norm``/``k_norm``, ``mlp.{gate,up,down}_proj``,
+``input_layernorm``, ``post_attention_layernorm``, ``norm``), so exporting is a straight save and
+a released drafter loads with ``load_state_dict``. The target's embedding and lm_head are frozen
+non-persistent buffers: never trained, never in ``state_dict()``.
+
+Forward, for one batch of rows:
+
+    ctx   = hidden_norm(fc(features))                  # [R, T, H], computed once, shared by layers
+    h     = embed([x_a, MASK, ..., MASK] per block)    # [R, N*B, H]
+    layer: q = q_norm(q_proj(norm1(h)))                 # queries: block rows only
+           k = k_norm(k_proj([ctx ; norm1(h)])), v = v_proj([ctx ; norm1(h)])   # KV injection
+           RoPE at absolute positions (context positions, a_n + 0..B-1 for block n)
+    out   = norm(h); logits = out @ lm_head.T
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_cache.errors import ConfigError, SpecMismatchError
+
+from .attention import AttentionBackend, BlockLayout, attend, resolve_backend
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "DFlashDraftModel"
+QWEN3_VOCAB_SIZE = 151936
+QWEN3_MASK_TOKEN_ID = 151669  # "<|MASK|>", a reserved id of the Qwen3 vocabulary
+_HF_ONLY_KEYS = {"architectures", "auto_map", "dflash_config", "model_type", "dtype", "torch_dtype"}
+
+
+@dataclass
+class DFlashConfig:
+    """The drafter's architecture; ``to_hf_dict()`` is the exported ``config.json``."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    # Fields of a loaded config.json this product does not interpret (bos/eos ids ...), kept on export.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        problems = []
+        if self.block_size < 2:
+            problems.append(f"block_size must be >= 2 (one anchor + at least one drafted token), got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(
+                f"mask_token_id {self.mask_token_id} is outside the target vocabulary [0, {self.vocab_size}); "
+                "set model.mask_token_id to a reserved id of the teacher's vocabulary"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if "sliding_attention" in (self.layer_types or []) and not self.sliding_window:
+            problems.append("sliding_attention layers need sliding_window > 0")
+        if problems:
+            raise ConfigError("invalid drafter config:\n  " + "\n  ".join(problems))
+
+    def layer_type(self, idx: int) -> str:
+        return self.layer_types[idx] if self.layer_types else "full_attention"
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``config.json`` of an exported drafter, in the released DFlash drafters' layout."""
+        layer_types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
+        uses_sliding = "sliding_attention" in layer_types
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURE],
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dtype": "bfloat16",
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": layer_types,
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers,
+            "model_type": "qwen3",
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "sliding_window": self.sliding_window,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "use_sliding_window": uses_sliding,
+            "vocab_size": self.vocab_size,
+        }
+        for key, value in self.extra.items():
+            out.setdefault(key, value)
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> DFlashConfig:
+        """Read a released or exported drafter's ``config.json``."""
+        arch = (d.get("architectures") or [ARCHITECTURE])[0]
+        if arch != ARCHITECTURE:
+            raise ConfigError(f"drafter config.json: architecture {arch!r} is not supported; expected {ARCHITECTURE!r}")
+        dc = d.get("dflash_config") or {}
+        rope = d.get("rope_parameters") or {}
+        mask_id = dc.get("mask_token_id", d.get("mask_token_id"))
+        layer_ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
+        missing = [k for k, v in (("dflash_config.mask_token_id", mask_id),
+                                  ("dflash_config.target_layer_ids", layer_ids)) if v is None]
+        if missing:
+            raise ConfigError(f"drafter config.json lacks {', '.join(missing)}")
+        known = {f.name for f in cls.__dataclass_fields__.values()}
+        extra = {k: v for k, v in d.items() if k not in known and k not in _HF_ONLY_KEYS
+                 and k not in _DERIVED_HF_KEYS}
+        return cls(
+            hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+            block_size=int(dc.get("block_size", d.get("block_size", 16))), mask_token_id=int(mask_id),
+            target_layer_ids=[int(i) for i in layer_ids],
+            num_target_layers=int(d.get("num_target_layers", dc.get("num_target_layers", max(layer_ids) + 3))),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e6))),
+            max_position_embeddings=d.get("max_position_embeddings", 40960), layer_types=d.get("layer_types"),
+            sliding_window=d.get("sliding_window"), attention_bias=bool(d.get("attention_bias", False)), extra=extra,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DFlashConfig:
+        return cls(**json.loads(text))
+
+
+_DERIVED_HF_KEYS = {
+    "attention_dropout", "hidden_act", "initializer_range", "max_window_layers", "rope_scaling",
+    "rope_parameters", "tie_word_embeddings", "use_cache", "use_sliding_window", "transformers_version",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Qwen3 (NeoX-style, default rope type) rotary embedding; inv_freq is not persistent."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [R, L] -> cos, sin [R, 1, L, D] in float32."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [R, L, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [R, L, D]
+        return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [R, heads, L, D]; cos/sin [R, 1, L, D]."""
+    x32 = x.float()
+    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int):
+        super().__init__()
+        H, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(H, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, H, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        sliding = cfg.layer_type(layer_idx) == "sliding_attention"
+        self.causal = sliding  # sliding-window layers are causal within the block
+        self.window = cfg.sliding_window if sliding else None
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        R, L, _ = x.shape
+        return x.view(R, L, n, self.head_dim)
+
+    def forward(
+        self, h: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_k: tuple[Tensor, Tensor],
+        layout: BlockLayout, backend: AttentionBackend,
+    ) -> Tensor:
+        """h [R, Q, H] (normed block rows), ctx [R, T, H] (fused context) -> [R, Q, H]."""
+        R, Q, _ = h.shape
+        kv_in = torch.cat([ctx, h], dim=1)  # [R, T+Q, H]
+        q = self.q_norm(self._heads(self.q_proj(h), self.num_heads)).transpose(1, 2)  # [R, Hq, Q, d]
+        k = self.k_norm(self._heads(self.k_proj(kv_in), self.num_kv_heads)).transpose(1, 2)  # [R, Hkv, T+Q, d]
+        v = self._heads(self.v_proj(kv_in), self.num_kv_heads).transpose(1, 2)  # [R, Hkv, T+Q, d]
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_k)
+        out = attend(q, k, v, layout, causal=self.causal, window=self.window, backend=backend,
+                     scale=1.0 / math.sqrt(self.head_dim))  # [R, Hq, Q, d]
+        return self.o_proj(out.transpose(1, 2).reshape(R, Q, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg, layer_idx)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor, ctx: Tensor, rope_q: Any, rope_k: Any, layout: BlockLayout,
+                backend: AttentionBackend) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, layout, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------------------------
+# The drafter
+# ----------------------------------------------------------------------------------------------
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig, embed_tokens: Tensor, lm_head: Tensor, attention: str = "auto"):
+        super().__init__()
+        self.config = cfg
+        self.attention = attention
+        n = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        _check_head(cfg, embed_tokens, lm_head)
+        # Frozen target head: buffers (moved by .to(), never optimized), not persistent (never saved).
+        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        self.reset_parameters()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [R, L] -> [R, L, H] in the parameters' dtype."""
+        return F.embedding(ids, self.embed_tokens).to(self.fc.weight.dtype)
+
+    def fuse_context(self, features: Tensor) -> Tensor:
+        """features [R, T, n*H] (bf16 from the cache) -> fused context [R, T, H]."""
+        if features.shape[-1] != self.fc.in_features:
+            raise SpecMismatchError(
+                f"features have width {features.shape[-1]} but the drafter expects "
+                f"{self.fc.in_features} = {len(self.config.target_layer_ids)} layers x {self.config.hidden_size}",
+                fields=["hidden_size", "target_layer_ids"],
+            )
+        x = features if torch.is_autocast_enabled(features.device.type) else features.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(x))
+
+    def forward(self, features: Tensor, block_ids: Tensor, ctx_positions: Tensor, block_positions: Tensor,
+                layout: BlockLayout) -> Tensor:
+        """features [R,T,n*H], block_ids [R,N*B], ctx_positions [R,T], block_positions [R,N*B]
+        -> final hidden states of the block rows [R, N*B, H]."""
+        backend = resolve_backend(self.attention, features.device)
+        ctx = self.fuse_context(features)  # [R, T, H]
+        h = self.embed(block_ids)  # [R, N*B, H]
+        rope_q = self.rotary_emb(block_positions)  # [R, 1, N*B, d]
+        rope_k = self.rotary_emb(torch.cat([ctx_positions, block_positions], dim=1))  # [R, 1, T+N*B, d]
+        for layer in self.layers:
+            h = layer(h, ctx, rope_q, rope_k, layout, backend)
+        return self.norm(h)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] -> logits [..., V] through the frozen target lm_head."""
+        w = self.lm_head
+        if not torch.is_autocast_enabled(hidden.device.type):
+            w = w.to(hidden.dtype)
+        return F.linear(hidden, w)
+
+
+def _check_head(cfg: DFlashConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
+    expected = (cfg.vocab_size, cfg.hidden_size)
+    for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+        if tuple(t.shape) != expected:
+            raise SpecMismatchError(
+                f"target {name} has shape {tuple(t.shape)}, the drafter expects {expected} "
+                "(vocab_size, hidden_size); the head must come from the cache the drafter is trained on",
+                fields=["vocab_size" if t.shape[0] != cfg.vocab_size else "hidden_size"],
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Building from the config + cache spec
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve_mask_token_id(model_cfg: Any, teacher: Any) -> int:
+    """``model.mask_token_id`` when set; else the teacher vocabulary's reserved mask id:
+    the tiny builtin teacher's (``extract.tiny.TINY_MASK_TOKEN_ID``) or Qwen3's 151669 for a
+    151936-token vocabulary. Anything else must set ``model.mask_token_id``."""
+    if model_cfg.mask_token_id is not None:
+        return int(model_cfg.mask_token_id)
+    name = str(getattr(teacher, "name_or_path", "") or getattr(teacher, "name", ""))
+    if name.startswith("builtin:tiny"):
+        from extract.tiny import TINY_MASK_TOKEN_ID
+
+        return int(TINY_MASK_TOKEN_ID)
+    if int(teacher.vocab_size) == QWEN3_VOCAB_SIZE:
+        return QWEN3_MASK_TOKEN_ID
+    raise ConfigError(
+        f"model.mask_token_id is not set and the teacher {name!r} (vocab {teacher.vocab_size}) has no known "
+        "reserved mask token; set model.mask_token_id to an unused id of its vocabulary"
+    )
+
+
+def drafter_config(model_cfg: Any, spec: Any) -> DFlashConfig:
+    """The drafter architecture for ``model_cfg`` (the ``model`` config section) on the cache ``spec``."""
+    teacher = spec.teacher
+    return DFlashConfig(
+        hidden_size=int(teacher.hidden_size), num_hidden_layers=model_cfg.num_hidden_layers,
+        num_attention_heads=model_cfg.num_attention_heads, num_key_value_heads=model_cfg.num_key_value_heads,
+        head_dim=model_cfg.head_dim, intermediate_size=model_cfg.intermediate_size,
+        vocab_size=int(teacher.vocab_size), block_size=model_cfg.block_size,
+        mask_token_id=resolve_mask_token_id(model_cfg, teacher),
+        target_layer_ids=[int(i) for i in spec.target_layer_ids], num_target_layers=int(teacher.num_layers),
+        rms_norm_eps=model_cfg.rms_norm_eps, rope_theta=model_cfg.rope_theta,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        layer_types=list(model_cfg.layer_types) if model_cfg.layer_types else None,
+        sliding_window=model_cfg.sliding_window,
+    )
+
+
+def build_drafter(model_cfg: Any, spec: Any, head: tuple[Tensor, Tensor]) -> DFlashDrafter:
+    """A fresh drafter (or ``model_cfg.init_from``'s released weights) for the cache ``spec``.
+
+    ``head`` is ``(embed_tokens [V, H], lm_head [V, H])`` from ``cache.load_head()``."""
+    cfg = drafter_config(model_cfg, spec)
+    if model_cfg.init_from:
+        released = read_drafter_config(model_cfg.init_from)
+        check_compatible(released, cfg, source=str(model_cfg.init_from))
+        cfg = released
+    model = DFlashDrafter(cfg, head[0], head[1], attention=model_cfg.attention)
+    if model_cfg.init_from:
+        load_drafter_weights(model, Path(model_cfg.init_from) / "model.safetensors")
+        log.info("initialised the drafter from %s", model_cfg.init_from)
+    return model
+
+
+def check_compatible(found: DFlashConfig, expected: DFlashConfig, source: str) -> None:
+    """A drafter (checkpoint / released dir) must match the cache it is used with; name every field that does not."""
+    fields = ["hidden_size", "target_layer_ids", "vocab_size", "block_size", "mask_token_id",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"]
+    cache_fields = {"hidden_size", "target_layer_ids", "vocab_size"}
+    diffs = [f for f in fields if getattr(found, f) != getattr(expected, f)]
+    bad_cache = [f for f in diffs if f in cache_fields]
+    if bad_cache:
+        detail = "; ".join(f"{f}: drafter {getattr(found, f)} vs cache {getattr(expected, f)}" for f in bad_cache)
+        raise SpecMismatchError(
+            f"{source} was built for another target than this cache ({detail}); use a cache extracted from the "
+            "same teacher with the same layers, or re-extract with cache.target_layer_ids set to the drafter's",
+            fields=bad_cache,
+        )
+    if diffs:
+        log.warning("%s differs from the config in %s; the drafter's own values are used", source, ", ".join(diffs))
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights on disk (safetensors only: no pickle)
+# ----------------------------------------------------------------------------------------------
+
+METADATA_KEY = "dflash_config"
+
+
+def drafter_state(model: DFlashDrafter) -> dict[str, Tensor]:
+    """The drafter's own weights (no embedding / lm_head), contiguous, under the released names."""
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+def save_drafter_weights(model: DFlashDrafter, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """``model.safetensors`` with the drafter config in its metadata (so a checkpoint is self-describing)."""
+    from safetensors.torch import save_file
+
+    state = drafter_state(model)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    save_file(state, str(path), metadata={"format": "pt", METADATA_KEY: model.config.to_json()})
+
+
+def load_drafter_weights(model: DFlashDrafter, path: str | Path) -> None:
+    """Load released/exported/checkpoint weights; names and shapes must match exactly."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if wrong:
+            parts.append("shape " + ", ".join(f"{k}: file {found[k]} vs model {expected[k]}" for k in wrong[:5]))
+        raise SpecMismatchError(f"{path}: weights do not fit this drafter: " + "; ".join(parts),
+                                fields=["weights"])
+    model.load_state_dict({k: v.to(model.fc.weight.dtype) for k, v in state.items()})
+
+
+def read_weights_config(path: str | Path) -> DFlashConfig | None:
+    """The drafter config stored in a ``model.safetensors``'s metadata, if any."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    return DFlashConfig.from_json(meta[METADATA_KEY]) if METADATA_KEY in meta else None
+
+
+def read_drafter_config(directory: str | Path) -> DFlashConfig:
+    """The config of an exported or released drafter directory (``config.json`` + ``model.safetensors``)."""
+    d = Path(directory)
+    cfg_path, weights = d / "config.json", d / "model.safetensors"
+    for p in (cfg_path, weights):
+        if not p.is_file():
+            raise ConfigError(f"{d} is not a drafter directory: {p.name} is missing (expected config.json + model.safetensors)")
+    return DFlashConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+
+
+def load_drafter_dir(directory: str | Path, head: tuple[Tensor, Tensor], attention: str = "auto") -> DFlashDrafter:
+    """Load an exported or released drafter directory with the given frozen target head."""
+    cfg = read_drafter_config(directory)
+    model = DFlashDrafter(cfg, head[0], head[1], attention=attention)
+    load_drafter_weights(model, Path(directory) / "model.safetensors")
+    return model
