@@ -1,0 +1,96 @@
+"""The cache index: one row per sample, built from the small arrays (offsets, sample ids) only."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import CacheCorruptError
+from .parts import PartInfo
+from .reader import ArrayReader, layouts_for
+from .storage import Storage
+
+
+@dataclass
+class CacheIndex:
+    """``sample_ids`` int64[N], ``lengths`` int32[N], ``buckets`` int16[N], ``part`` int32[N] (into
+    ``parts``), ``row`` int32[N] (position in the part), ``token_start`` int64[N] (offset in the part)."""
+
+    sample_ids: np.ndarray
+    lengths: np.ndarray
+    buckets: np.ndarray
+    part: np.ndarray
+    row: np.ndarray
+    token_start: np.ndarray
+    parts: list[PartInfo]
+    _order: np.ndarray | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.sample_ids.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def positions(self, sample_ids: np.ndarray | list[int]) -> np.ndarray:
+        """Index rows of ``sample_ids`` (KeyError naming the first unknown id)."""
+        if self._order is None:
+            self._order = np.argsort(self.sample_ids, kind="stable")
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        sorted_ids = self.sample_ids[self._order]
+        pos = np.searchsorted(sorted_ids, ids)
+        pos = np.minimum(pos, max(len(self) - 1, 0))
+        found = (len(self) > 0) & (sorted_ids[pos] == ids) if len(self) else np.zeros(ids.shape, bool)
+        if not np.all(found):
+            missing = ids[~found][:5].tolist()
+            raise KeyError(f"sample ids {missing} are not in any committed part of the cache")
+        return self._order[pos]
+
+
+def _part_arrays(storage: Storage, part: PartInfo) -> tuple[np.ndarray, np.ndarray]:
+    lay = layouts_for(part)
+    ids = ArrayReader(storage, lay["sample_ids"], part.key).read(0, part.n_samples)
+    offsets = ArrayReader(storage, lay["offsets"], part.key).read(0, part.n_samples + 1)
+    if offsets[0] != 0 or offsets[-1] != part.n_tokens or np.any(np.diff(offsets) <= 0):
+        raise CacheCorruptError(f"part {part.key}: offsets do not run from 0 to n_tokens={part.n_tokens} in "
+                                "increasing steps; run `dflash-cache verify`", part=part.key, array="offsets")
+    return ids.astype(np.int64), offsets.astype(np.int64)
+
+
+def build_index(storage: Storage, parts: list[PartInfo], threads: int = 8) -> CacheIndex:
+    """Read ``sample_ids`` and ``offsets`` of every part (never a feature chunk)."""
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        arrays = list(pool.map(lambda p: _part_arrays(storage, p), parts))
+    n = [p.n_samples for p in parts]
+    if not parts:
+        e = np.zeros(0, np.int64)
+        return CacheIndex(e, e.astype(np.int32), e.astype(np.int16), e.astype(np.int32), e.astype(np.int32), e, [])
+    ids = np.concatenate([a[0] for a in arrays])
+    offsets = [a[1] for a in arrays]
+    idx = CacheIndex(
+        sample_ids=ids,
+        lengths=np.concatenate([np.diff(o) for o in offsets]).astype(np.int32),
+        buckets=np.repeat(np.array([p.bucket for p in parts], np.int16), n),
+        part=np.repeat(np.arange(len(parts), dtype=np.int32), n),
+        row=np.concatenate([np.arange(k, dtype=np.int32) for k in n]),
+        token_start=np.concatenate([o[:-1] for o in offsets]),
+        parts=parts,
+    )
+    _check_unique(idx)
+    return idx
+
+
+def _check_unique(idx: CacheIndex) -> None:
+    order = np.argsort(idx.sample_ids, kind="stable")
+    s = idx.sample_ids[order]
+    dup = np.nonzero(s[1:] == s[:-1])[0]
+    if dup.size:
+        i, j = order[dup[0]], order[dup[0] + 1]
+        a, b = idx.parts[idx.part[i]].key, idx.parts[idx.part[j]].key
+        raise CacheCorruptError(
+            f"sample id {int(s[dup[0]])} appears in two places ({a} and {b}); {dup.size} duplicate(s) in all. "
+            "A work unit was written twice: remove one of the parts (delete its directory) and re-run verify",
+            part=b, array="sample_ids")
+    idx._order = order

@@ -1,0 +1,76 @@
+"""Part layout: names, keys, the commit record and :class:`PartInfo`."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CacheCorruptError, CacheError
+
+COMMIT = "commit.json"
+LEASE = "writing.json"
+FEATURE_ARRAYS = ("features", "scales")  # token-sharded arrays
+SMALL_ARRAYS = ("input_ids", "loss_mask", "target_argmax", "offsets", "sample_ids")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_part_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise CacheError(f"part name {name!r} is not allowed: use 1-128 characters from A-Z a-z 0-9 . _ - "
+                         "starting with a letter or digit (e.g. 'u000012-r0')")
+    return name
+
+
+def part_key(bucket: int, name: str) -> str:
+    return f"buckets/{bucket}/{name}"
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """A committed part, as described by its commit record."""
+
+    bucket: int
+    name: str
+    n_samples: int
+    n_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    codec: str = "bf16-zstd"
+    arrays: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
+    chunk_tokens: int = 256
+    shard_tokens: int = 16384
+
+    @property
+    def key(self) -> str:
+        return part_key(self.bucket, self.name)
+
+    @property
+    def has_target_argmax(self) -> bool:
+        return "target_argmax" in self.arrays
+
+    @property
+    def feature_bytes(self) -> int:
+        """Bytes on disk of the feature data (features + fp8 scales)."""
+        return sum(int(self.arrays[a].get("stored_bytes", 0)) for a in FEATURE_ARRAYS if a in self.arrays)
+
+    def to_record(self, fingerprint: str) -> dict[str, Any]:
+        return {
+            "format_version": 1, "cache_fingerprint": fingerprint, "bucket": self.bucket, "name": self.name,
+            "n_samples": self.n_samples, "n_tokens": self.n_tokens, "codec": self.codec,
+            "chunk_tokens": self.chunk_tokens, "shard_tokens": self.shard_tokens,
+            "meta": self.meta, "arrays": self.arrays,
+        }
+
+    @classmethod
+    def from_record(cls, raw: bytes, key: str) -> PartInfo:
+        try:
+            rec = json.loads(raw)
+            return cls(bucket=int(rec["bucket"]), name=str(rec["name"]), n_samples=int(rec["n_samples"]),
+                       n_tokens=int(rec["n_tokens"]), meta=dict(rec.get("meta") or {}), codec=str(rec["codec"]),
+                       arrays=dict(rec["arrays"]), chunk_tokens=int(rec["chunk_tokens"]),
+                       shard_tokens=int(rec["shard_tokens"]))
+        except (ValueError, KeyError, TypeError) as err:
+            raise CacheCorruptError(f"part {key}: commit record {COMMIT} is unreadable ({err}); "
+                                    "run `dflash-cache verify` and re-extract this part",
+                                    part=key, array=COMMIT) from None

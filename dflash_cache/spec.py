@@ -1,0 +1,137 @@
+"""The typed cache spec stored in the root attributes, its fingerprint and a field-by-field diff."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CacheError, ConfigError
+
+FORMAT_VERSION = 1
+CODECS = ("bf16-zstd", "bf16-lz4", "bf16-raw", "fp8-e4m3")
+ATTR_KEY = "dflash_cache"
+
+
+@dataclass(frozen=True)
+class TeacherInfo:
+    """Identity of the model whose hidden states the cache holds."""
+
+    name_or_path: str
+    revision: str | None
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "vocab_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"TeacherInfo.{name} must be a positive integer, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything that makes two caches compatible. ``fingerprint`` hashes all of it."""
+
+    teacher: TeacherInfo
+    target_layer_ids: tuple[int, ...]
+    tokenizer_hash: str
+    max_length: int
+    codec: str = "bf16-zstd"
+    bucket_edges: tuple[int, ...] = (256, 512, 1024, 2048)
+    dataset_fingerprint: str = ""
+    format_version: int = field(default=FORMAT_VERSION)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        object.__setattr__(self, "bucket_edges", tuple(int(e) for e in self.bucket_edges))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.codec not in CODECS:
+            raise ConfigError(f"cache codec {self.codec!r} is not one of {list(CODECS)}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty: the cache needs at least one teacher layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.teacher.num_layers]
+        if bad:
+            raise ConfigError(
+                f"target_layer_ids {bad} are outside the teacher's layers 0..{self.teacher.num_layers - 1}"
+            )
+        edges = list(self.bucket_edges)
+        if sorted(set(edges)) != edges or any(e <= 0 for e in edges):
+            raise ConfigError(f"bucket_edges must be strictly increasing positive lengths, got {edges}")
+        if self.max_length <= 0:
+            raise ConfigError(f"max_length must be positive, got {self.max_length}")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.teacher.hidden_size
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the stored features: ``len(target_layer_ids) * hidden_size``."""
+        return self.n_layers * self.teacher.hidden_size
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.bucket_edges) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d["bucket_edges"] = list(self.bucket_edges)
+        return d
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 (first 16 hex digits) of the canonical JSON of every field."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def diff(self, other: CacheSpec) -> list[str]:
+        """Dotted names of the fields that differ (``teacher.hidden_size``, ``codec`` ...)."""
+        return _diff_dicts(self.to_dict(), other.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheSpec:
+        try:
+            d = dict(d)
+            teacher = TeacherInfo(**d.pop("teacher"))
+            return cls(teacher=teacher, **d)
+        except (TypeError, KeyError) as err:
+            raise CacheError(f"the cache spec in the root attributes is malformed ({err}); "
+                             "the cache was written by an incompatible tool") from None
+
+
+def _diff_dicts(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff_dicts(va, vb, f"{prefix}{key}.")
+        elif va != vb:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def describe_diff(cached: CacheSpec, wanted: CacheSpec) -> str:
+    """One line per differing field: ``codec: cache has 'bf16-zstd', asked for 'fp8-e4m3'``."""
+    a, b = _flatten(cached.to_dict()), _flatten(wanted.to_dict())
+    return "; ".join(f"{k}: cache has {a.get(k)!r}, asked for {b.get(k)!r}" for k in cached.diff(wanted))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

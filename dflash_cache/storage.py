@@ -1,0 +1,237 @@
+"""Byte-level access to a cache location: a local directory or any fsspec URL.
+
+Arrays are written through zarr (``zarr_store(prefix)`` gives a store rooted at a part, so zarr never
+touches the cache's root metadata); everything else -- commit records, the head, JSON metadata, and
+the reader's direct chunk reads -- goes through these few methods. Keys are ``/``-separated paths
+relative to the cache root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+
+def is_local_url(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+class Storage:
+    """Interface; see :class:`LocalStorage` and :class:`FsspecStorage`."""
+
+    url: str
+    is_local: bool = False
+
+    def get(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key``."""
+        raise NotImplementedError
+
+    def get_suffix(self, key: str, n: int) -> bytes:
+        """The last ``n`` bytes of ``key`` (fewer when the object is shorter)."""
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def put(self, key: str, data: bytes, durable: bool = False) -> None:
+        """Write an object whole; readers never see it half-written."""
+        raise NotImplementedError
+
+    def list_dir(self, prefix: str) -> list[str]:
+        """Names of the direct children of ``prefix`` (files and directories)."""
+        raise NotImplementedError
+
+    def list_files(self, prefix: str) -> dict[str, int]:
+        """Every object under ``prefix`` (recursive) with its size in bytes."""
+        raise NotImplementedError
+
+    def remove(self, key: str) -> None:
+        raise NotImplementedError
+
+    def remove_tree(self, prefix: str) -> None:
+        raise NotImplementedError
+
+    def sync_tree(self, prefix: str) -> None:
+        """Make everything under ``prefix`` durable (fsync on a local filesystem)."""
+
+    def root_exists(self) -> bool:
+        raise NotImplementedError
+
+    def zarr_store(self, prefix: str) -> Any:
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    is_local = True
+
+    def __init__(self, url: str):
+        self.url = url
+        self.root = Path(url[len("file://"):] if url.startswith("file://") else url)
+
+    def _p(self, key: str) -> Path:
+        return self.root / key if key else self.root
+
+    def get(self, key: str) -> bytes:
+        with open(self._p(key), "rb") as f:
+            return f.read()
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        with open(self._p(key), "rb") as f:
+            return os.pread(f.fileno(), end - start, start)
+
+    def get_suffix(self, key: str, n: int) -> bytes:
+        with open(self._p(key), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return os.pread(f.fileno(), min(n, size), max(0, size - n))
+
+    def exists(self, key: str) -> bool:
+        return self._p(key).exists()
+
+    def put(self, key: str, data: bytes, durable: bool = False) -> None:
+        path = self._p(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        if durable:
+            _fsync_dir(path.parent)
+
+    def list_dir(self, prefix: str) -> list[str]:
+        p = self._p(prefix)
+        if not p.is_dir():
+            return []
+        return sorted(e.name for e in os.scandir(p))
+
+    def list_files(self, prefix: str) -> dict[str, int]:
+        base = self._p(prefix)
+        out: dict[str, int] = {}
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                full = Path(dirpath) / name
+                out[full.relative_to(self.root).as_posix()] = full.stat().st_size
+        return out
+
+    def remove(self, key: str) -> None:
+        self._p(key).unlink(missing_ok=True)
+
+    def remove_tree(self, prefix: str) -> None:
+        shutil.rmtree(self._p(prefix), ignore_errors=True)
+
+    def sync_tree(self, prefix: str) -> None:
+        base = self._p(prefix)
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                fd = os.open(Path(dirpath) / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_dir(Path(dirpath))
+        _fsync_dir(base.parent)
+
+    def root_exists(self) -> bool:
+        return self.root.exists()
+
+    def zarr_store(self, prefix: str) -> Any:
+        from zarr.storage import LocalStore
+
+        return LocalStore(self._p(prefix))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem (``memory://``, ``s3://``, ``gs://`` ...). Object puts are atomic."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.root = self.root.rstrip("/")
+
+    def _p(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def get(self, key: str) -> bytes:
+        return self.fs.cat_file(self._p(key))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.fs.cat_file(self._p(key), start=start, end=end)
+
+    def get_suffix(self, key: str, n: int) -> bytes:
+        size = self.fs.size(self._p(key))
+        return self.fs.cat_file(self._p(key), start=max(0, size - n), end=size)
+
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self._p(key))
+
+    def put(self, key: str, data: bytes, durable: bool = False) -> None:
+        self.fs.pipe_file(self._p(key), data)  # one whole object: atomic on object stores
+
+    def list_dir(self, prefix: str) -> list[str]:
+        p = self._p(prefix)
+        try:
+            entries = self.fs.ls(p, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def list_files(self, prefix: str) -> dict[str, int]:
+        p = self._p(prefix)
+        try:
+            found = self.fs.find(p, detail=True)
+        except FileNotFoundError:
+            return {}
+        root = self.root.lstrip("/")
+        out = {}
+        for path, info in found.items():
+            rel = path.lstrip("/")[len(root):].lstrip("/")
+            out[rel] = int(info.get("size") or 0)
+        return out
+
+    def remove(self, key: str) -> None:
+        if self.fs.exists(self._p(key)):
+            self.fs.rm(self._p(key))
+
+    def remove_tree(self, prefix: str) -> None:
+        if self.fs.exists(self._p(prefix)):
+            self.fs.rm(self._p(prefix), recursive=True)
+
+    def root_exists(self) -> bool:
+        return self.fs.exists(self.root)
+
+    def zarr_store(self, prefix: str) -> Any:
+        from zarr.storage import FsspecStore
+
+        return FsspecStore.from_url(f"{self.url}/{prefix}" if prefix else self.url)
+
+
+def make_storage(url: str) -> Storage:
+    url = str(url)
+    return LocalStorage(url) if is_local_url(url) else FsspecStorage(url)

@@ -1,0 +1,235 @@
+"""The part writer: one writer owns one part, buffers one shard in memory and writes it whole.
+
+Durability protocol: data arrays are written (whole shards, then the small arrays at commit), every
+file under the part is fsynced (local filesystems), then ``commit.json`` is written last, atomically
+and durably. Readers list parts that have a commit record only, so a writer killed at any moment
+leaves no visible part; its directory is an uncommitted leftover that ``gc`` removes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import zarr
+
+from .codecs import CODEC_INFO, bf16_to_u16, crc32c, feature_compressors, quantize_fp8, small_compressors
+from .errors import CacheError, DataError
+from .parts import COMMIT, LEASE, PartInfo, check_part_name, part_key
+
+if TYPE_CHECKING:
+    from .store import FeatureCache
+
+log = logging.getLogger(__name__)
+
+_ZCONFIG = {"write_empty_chunks": True}
+
+
+def _as_1d(x: Any, name: str, sample_id: int) -> np.ndarray:
+    a = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if a.ndim != 1:
+        raise DataError(f"sample {sample_id}: {name} must be 1-D [T], got shape {list(a.shape)}")
+    return a
+
+
+class _ShardedArray:
+    """A token-sharded 2-D array written one whole shard at a time; tracks a crc32c of all rows."""
+
+    def __init__(self, group_store: Any, name: str, width: int, dtype: str, chunk: int, shard: int,
+                 compressors: list, attrs: dict[str, Any]):
+        self.arr = zarr.create_array(group_store, name=name, shape=(0, width), dtype=dtype, chunks=(chunk, width),
+                                     shards=(shard, width), compressors=compressors, fill_value=0,
+                                     attributes=attrs, config=_ZCONFIG)
+        self.buf = np.empty((shard, width), dtype=dtype)
+        self.fill = 0  # rows buffered
+        self.written = 0  # rows on storage
+        self.crc = 0
+
+    def push(self, rows: np.ndarray) -> None:
+        pos = 0
+        while pos < rows.shape[0]:
+            take = min(rows.shape[0] - pos, self.buf.shape[0] - self.fill)
+            self.buf[self.fill:self.fill + take] = rows[pos:pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == self.buf.shape[0]:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.fill:
+            return
+        data = self.buf[:self.fill]
+        self.arr.resize((self.written + self.fill, self.buf.shape[1]))
+        self.arr[self.written:self.written + self.fill] = data  # one whole shard (or the final partial one)
+        self.crc = crc32c(data, self.crc)
+        self.written += self.fill
+        self.fill = 0
+
+    def record(self) -> dict[str, Any]:
+        return {"shape": [self.written, self.buf.shape[1]], "dtype": str(self.buf.dtype), "crc32c": self.crc}
+
+
+class PartWriter:
+    """Writes one part ``buckets/<bucket>/<name>/``. Use :meth:`add`, then :meth:`commit` (or :meth:`abort`).
+
+    As a context manager it commits on a clean exit and aborts on an exception.
+    """
+
+    def __init__(self, cache: FeatureCache, bucket: int, name: str, meta: dict[str, Any] | None = None):
+        spec = cache.spec
+        if not 0 <= bucket < spec.n_buckets:
+            raise CacheError(f"bucket {bucket} does not exist: this cache has buckets 0..{spec.n_buckets - 1}")
+        self.cache, self.bucket, self.name = cache, bucket, check_part_name(name)
+        self.meta = json.loads(json.dumps(meta or {}))  # must be JSON; copied
+        self.key = part_key(bucket, name)
+        self.codec = CODEC_INFO[spec.codec]
+        self.n_samples = 0
+        self.n_tokens = 0
+        self._ids: list[int] = []
+        self._id_set: set[int] = set()
+        self._offsets = [0]
+        self._tokens: dict[str, list[np.ndarray]] = {"input_ids": [], "loss_mask": [], "target_argmax": []}
+        self._with_argmax: bool | None = None
+        self._closed = False
+        self._start()
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        st = self.cache.storage
+        if st.exists(f"{self.key}/{COMMIT}"):
+            raise CacheError(f"part {self.key} is already committed; a part is written once. Skip this work "
+                             "unit, or delete the part directory to rewrite it")
+        if st.list_dir(self.key):
+            log.info("removing the uncommitted leftover of part %s before rewriting it", self.key)
+            st.remove_tree(self.key)
+        lease = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix": time.time()}
+        st.put(f"{self.key}/{LEASE}", json.dumps(lease).encode())
+        self._store = st.zarr_store(self.key)
+        zarr.create_group(self._store, attributes={"bucket": self.bucket, "name": self.name, "meta": self.meta})
+        c, s = self.cache.chunk_tokens, self.cache.shard_tokens
+        d, n = self.cache.spec.feature_dim, self.cache.spec.n_layers
+        self._features = _ShardedArray(self._store, "features", d, self.codec.stored_dtype, c, s,
+                                       feature_compressors(self.codec.name),
+                                       {"logical_dtype": self.codec.logical_dtype})
+        self._scales = None
+        if self.codec.has_scales:
+            self._scales = _ShardedArray(self._store, "scales", n, "float32", c, s, small_compressors(),
+                                         {"meaning": "per-token, per-layer fp8 scale (absmax / 448)"})
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def add(self, sample_id: int, input_ids: Any, loss_mask: Any, features: torch.Tensor,
+            target_argmax: Any = None) -> None:
+        """Append one sample of true length T: ``input_ids [T]``, ``loss_mask [T]``, ``features [T, n*H]``."""
+        if self._closed:
+            raise CacheError(f"part {self.key} is already committed or aborted; open a new part writer")
+        sid = int(sample_id)
+        ids = _as_1d(input_ids, "input_ids", sid)
+        mask = _as_1d(loss_mask, "loss_mask", sid)
+        t = self._check_sample(sid, ids, mask, features, target_argmax)
+        self._push_features(sid, features)
+        self._tokens["input_ids"].append(ids.astype(np.int32))
+        self._tokens["loss_mask"].append(mask.astype(bool))
+        if target_argmax is not None:
+            self._tokens["target_argmax"].append(_as_1d(target_argmax, "target_argmax", sid).astype(np.int32))
+        self._ids.append(sid)
+        self._id_set.add(sid)
+        self.n_samples += 1
+        self.n_tokens += t
+        self._offsets.append(self.n_tokens)
+
+    def _check_sample(self, sid: int, ids: np.ndarray, mask: np.ndarray, features: torch.Tensor,
+                      target_argmax: Any) -> int:
+        t = ids.shape[0]
+        spec = self.cache.spec
+        if sid in self._id_set:
+            raise DataError(f"sample {sid} was already added to part {self.key}: sample ids must be unique")
+        if mask.shape[0] != t:
+            raise DataError(f"sample {sid}: loss_mask has {mask.shape[0]} tokens, input_ids has {t}")
+        if tuple(features.shape) != (t, spec.feature_dim):
+            raise DataError(f"sample {sid}: features must be [T={t}, n*H={spec.feature_dim}], "
+                            f"got {list(features.shape)}")
+        b = self.cache.bucket_of(t)
+        if b != self.bucket:
+            lo, hi = self.cache.bucket_bounds(self.bucket)
+            raise DataError(f"sample {sid} has {t} tokens, which belongs in bucket {b}, not in bucket "
+                            f"{self.bucket} ({lo} < T <= {hi}); route samples with cache.bucket_of(T)")
+        has = target_argmax is not None
+        if self._with_argmax is None:
+            self._with_argmax = has
+        elif self._with_argmax != has:
+            raise DataError(f"sample {sid}: target_argmax must be given for every sample of a part or for none")
+        if has and len(target_argmax) != t:
+            raise DataError(f"sample {sid}: target_argmax has {len(target_argmax)} tokens, input_ids has {t}")
+        if not bool(torch.isfinite(features).all()):
+            raise DataError(f"sample {sid}: features contain NaN or Inf; skip the sample (extract.on_nonfinite)")
+        return t
+
+    def _push_features(self, sid: int, features: torch.Tensor) -> None:
+        if self._scales is not None:
+            q, s = quantize_fp8(features, self.cache.spec.n_layers)  # on the features' device
+            self._features.push(q.cpu().numpy())
+            self._scales.push(s.cpu().numpy())
+        else:
+            self._features.push(bf16_to_u16(features))
+
+    # -- commit / abort ---------------------------------------------------------------------------
+
+    def _write_small(self, name: str, data: np.ndarray) -> dict[str, Any]:
+        zarr.create_array(self._store, name=name, data=data, chunks=(max(len(data), 1),),
+                          compressors=small_compressors(), fill_value=0, config=_ZCONFIG)
+        return {"shape": [len(data)], "dtype": str(data.dtype), "crc32c": crc32c(data)}
+
+    def commit(self) -> PartInfo:
+        """Write the remaining data, make it durable, then the commit record. Returns the part."""
+        if self._closed:
+            raise CacheError(f"part {self.key} is already committed or aborted")
+        arrays: dict[str, dict[str, Any]] = {}
+        for name, arr in (("features", self._features), ("scales", self._scales)):
+            if arr is not None:
+                arr.flush()
+                arrays[name] = arr.record()
+        for name, chunks in self._tokens.items():
+            if name == "target_argmax" and not self._with_argmax:
+                continue
+            data = np.concatenate(chunks) if chunks else np.zeros(0, np.int32 if name != "loss_mask" else bool)
+            arrays[name] = self._write_small(name, data)
+        arrays["offsets"] = self._write_small("offsets", np.asarray(self._offsets, np.int64))
+        arrays["sample_ids"] = self._write_small("sample_ids", np.asarray(self._ids, np.int64))
+        st = self.cache.storage
+        st.sync_tree(self.key)
+        sizes = st.list_files(self.key)
+        for name, rec in arrays.items():
+            rec["stored_bytes"] = sum(v for k, v in sizes.items() if k.startswith(f"{self.key}/{name}/"))
+        info = PartInfo(bucket=self.bucket, name=self.name, n_samples=self.n_samples, n_tokens=self.n_tokens,
+                        meta=self.meta, codec=self.codec.name, arrays=arrays,
+                        chunk_tokens=self.cache.chunk_tokens, shard_tokens=self.cache.shard_tokens)
+        record = json.dumps(info.to_record(self.cache.spec.fingerprint), indent=1).encode()
+        st.put(f"{self.key}/{COMMIT}", record, durable=True)  # the part is visible from here on
+        st.remove(f"{self.key}/{LEASE}")
+        self._closed = True
+        log.debug("committed part %s: %d samples, %d tokens", self.key, self.n_samples, self.n_tokens)
+        return info
+
+    def abort(self) -> None:
+        """Drop everything written so far; the part never becomes visible."""
+        if self._closed:
+            return
+        self._closed = True
+        self.cache.storage.remove_tree(self.key)
+
+    def __enter__(self) -> PartWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.commit()

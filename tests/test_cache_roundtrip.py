@@ -1,0 +1,153 @@
+"""Round trips through the cache: bitwise for bf16, within the documented error for fp8."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
+from dflash_cache.errors import CacheError, DataError, SpecMismatchError
+from dflash_cache.synthetic import synthetic_features
+
+H, N_LAYERS = 32, 2
+
+
+def _spec(codec: str = "bf16-zstd", **kw) -> CacheSpec:
+    base = dict(teacher=TeacherInfo("tiny", None, 4, H, 100, "bfloat16"), target_layer_ids=[1, 2],
+                tokenizer_hash="tok", max_length=300, codec=codec, bucket_edges=[16, 64], dataset_fingerprint="d")
+    base.update(kw)
+    return CacheSpec(**base)
+
+
+def _samples(n: int, seed: int = 0) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = int(torch.randint(17, 64, (1,), generator=g))  # all in bucket 1
+        ids = torch.randint(0, 100, (t,), generator=g)
+        mask = torch.rand(t, generator=g) > 0.3
+        out.append((1000 + i, ids, mask, synthetic_features(t, N_LAYERS, H, g)))
+    return out
+
+
+def _write(cache, samples, name="p0", argmax=False):
+    with cache.part_writer(1, name, meta={"unit": name}) as w:
+        for sid, ids, mask, feats in samples:
+            w.add(sid, ids, mask, feats, target_argmax=ids.flip(0) if argmax else None)
+    return w
+
+
+@pytest.mark.parametrize("url_kind", ["local", "memory"])
+@pytest.mark.parametrize("codec", ["bf16-zstd", "bf16-lz4", "bf16-raw"])
+def test_bf16_round_trip_is_bitwise(tmp_path, url_kind, codec):
+    url = str(tmp_path / "c") if url_kind == "local" else f"memory://rt-{codec}-{tmp_path.name}"
+    cache = create_cache(url, _spec(codec), chunk_tokens=16, shard_tokens=64)
+    samples = _samples(12)
+    _write(cache, samples, argmax=True)
+    cache = open_cache(url)
+    (part,) = cache.parts()
+    assert (part.n_samples, part.n_tokens) == (12, sum(s[1].shape[0] for s in samples))
+    assert part.meta == {"unit": "p0"} and part.has_target_argmax
+    want_order = [s[0] for s in samples][::-1]
+    got = cache.read_samples(want_order)
+    assert [s.sample_id for s in got] == want_order
+    by_id = {s[0]: s for s in samples}
+    for s in got:
+        _, ids, mask, feats = by_id[s.sample_id]
+        assert s.features.dtype == torch.bfloat16
+        assert torch.equal(s.features.view(torch.int16), feats.view(torch.int16))
+        assert torch.equal(s.input_ids, ids) and torch.equal(s.loss_mask, mask)
+        assert torch.equal(s.target_argmax, ids.flip(0))
+        assert (s.bucket, s.part) == (1, "p0")
+
+
+def test_direct_reader_matches_zarr(tmp_path):
+    cache = create_cache(str(tmp_path / "c"), _spec(), chunk_tokens=16, shard_tokens=64)
+    _write(cache, _samples(10))
+    part = cache.parts()[0]
+    z = zarr.open_array(str(tmp_path / "c" / part.key / "features"), mode="r")[:]
+    ours = cache.read_tokens(part, 0, part.n_tokens)
+    assert np.array_equal(ours.view(torch.int16).numpy().view(np.uint16), z)
+    assert torch.equal(cache.read_tokens(part, 5, 77), ours[5:77])
+
+
+def test_fp8_within_documented_error(tmp_path):
+    cache = create_cache(str(tmp_path / "c"), _spec("fp8-e4m3"), chunk_tokens=16, shard_tokens=64)
+    samples = _samples(8)
+    _write(cache, samples)
+    got = {s.sample_id: s for s in open_cache(str(tmp_path / "c")).read_samples([s[0] for s in samples])}
+    for sid, _, _, feats in samples:
+        x, y = feats.float(), got[sid].features.float()
+        cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)  # [T]
+        assert cos.min() >= 0.999
+        big = x.abs() > 0.05 * x.abs().amax(dim=-1, keepdim=True)
+        rel = ((y - x).abs() / x.abs())[big]
+        assert rel.max() <= 0.0625 + 0.008 and rel.mean() <= 0.03
+
+
+def test_same_spec_reopens_and_other_spec_is_refused(tmp_path):
+    url = str(tmp_path / "c")
+    create_cache(url, _spec())
+    assert create_cache(url, _spec()).spec.fingerprint == _spec().fingerprint
+    with pytest.raises(SpecMismatchError) as err:
+        create_cache(url, _spec(codec="fp8-e4m3", target_layer_ids=[0, 1]))
+    assert err.value.fields == ["codec", "target_layer_ids"]
+    assert "codec: cache has 'bf16-zstd', asked for 'fp8-e4m3'" in str(err.value)
+
+
+def test_spec_diff_names_nested_fields():
+    other = _spec(teacher=TeacherInfo("tiny", "main", 4, H, 100, "bfloat16"))
+    assert _spec().diff(other) == ["teacher.revision"]
+    assert _spec().fingerprint != other.fingerprint
+    assert _spec().feature_dim == N_LAYERS * H
+
+
+def test_buckets_route_by_length(tmp_path):
+    cache = create_cache(str(tmp_path / "c"), _spec())
+    assert [cache.bucket_of(t) for t in (1, 16, 17, 64, 65, 300)] == [0, 0, 1, 1, 2, 2]
+    assert cache.bucket_bounds(0) == (0, 16) and cache.bucket_bounds(2) == (64, 300)
+    with pytest.raises(DataError, match="max_length 300"):
+        cache.bucket_of(301)
+
+
+def test_writer_rejects_bad_samples(tmp_path):
+    cache = create_cache(str(tmp_path / "c"), _spec())
+    w = cache.part_writer(1, "p0")
+    sid, ids, mask, feats = _samples(1)[0]
+    with pytest.raises(DataError, match="belongs in bucket 0"):
+        w.add(1, ids[:5], mask[:5], feats[:5])
+    with pytest.raises(DataError, match="features must be"):
+        w.add(1, ids, mask, feats[:, :10])
+    bad = feats.clone()
+    bad[3, 4] = float("nan")
+    with pytest.raises(DataError, match="NaN"):
+        w.add(1, ids, mask, bad)
+    w.add(sid, ids, mask, feats)
+    with pytest.raises(DataError, match="already added"):
+        w.add(sid, ids, mask, feats)
+    w.commit()
+    with pytest.raises(CacheError, match="already committed"):
+        cache.part_writer(1, "p0")
+
+
+def test_head_and_metadata(tmp_path):
+    cache = create_cache(str(tmp_path / "c"), _spec())
+    emb, head = torch.randn(100, H), torch.randn(100, H)
+    cache.save_head(emb, head)
+    cache.save_head(emb, head)  # identical: a no-op
+    with pytest.raises(CacheError, match="different head"):
+        cache.save_head(emb * 2, None)
+    e, h = open_cache(str(tmp_path / "c")).load_head()
+    assert torch.equal(e, emb) and torch.equal(h, head)
+    cache.write_metadata("resolved_config", {"a": [1, 2]})
+    assert cache.read_metadata("resolved_config") == {"a": [1, 2]}
+
+
+def test_tied_head(tmp_path):
+    cache = create_cache(f"memory://tied-{tmp_path.name}", _spec())
+    emb = torch.randn(100, H).to(torch.bfloat16)
+    cache.save_head(emb)
+    e, h = cache.load_head()
+    assert torch.equal(e, emb) and torch.equal(h, emb)
