@@ -20,3 +20,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory):
+    """The tiny teacher (real HF Qwen3 directory), built once per test session."""
+    from extract.tiny import build_tiny_teacher
+
+    return build_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"))

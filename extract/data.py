@@ -1,0 +1,247 @@
+"""Input data: conversations (JSONL / Parquet / saved HF dataset / ``builtin:tiny-chat``) or
+pre-tokenized records (``input_ids`` + ``loss_mask``).
+
+Every record gets a stable ``sample_id``: its 0-based position in the dataset (bad records keep
+their id, so skipping them never shifts the others). Errors name ``file:line`` (JSONL) or
+``file#row`` (columnar formats).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_cache.errors import DataError
+
+from .builtin_text import builtin_conversations, builtin_prompts
+
+log = logging.getLogger(__name__)
+
+BUILTIN_DATA = "builtin:tiny-chat"
+ROLES = ("system", "user", "assistant", "tool")
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+__all__ = ["BUILTIN_DATA", "Record", "LoadedData", "load_records", "load_conversations", "builtin_prompts"]
+
+
+@dataclass
+class Record:
+    """One input record: a conversation or a pre-tokenized sample."""
+
+    sample_id: int
+    source: str  # "file:line", "file#row" or "builtin:tiny-chat#i"
+    messages: list[dict[str, str]] | None = None
+    input_ids: list[int] | None = None
+    loss_mask: list[int] | None = None
+
+    @property
+    def pretokenized(self) -> bool:
+        return self.input_ids is not None
+
+
+@dataclass
+class LoadedData:
+    records: list[Record]
+    n_total: int  # records seen, bad ones included (= next free sample id)
+    bad: list[str] = field(default_factory=list)  # "source: reason" of skipped records
+    fingerprint: str = ""
+
+
+def _normalize_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):  # OpenAI content parts
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+        return "".join(texts)
+    raise DataError(f"{where}: message content must be a string or a list of text parts, found {type(content).__name__}")
+
+
+def _parse_messages(raw: Any, where: str) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: message {i} is {type(m).__name__}, expected an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {list(ROLES)}")
+        msg = {"role": role, "content": _normalize_content(m.get("content"), where)}
+        if m.get("reasoning_content"):
+            msg["reasoning_content"] = str(m["reasoning_content"])
+        out.append(msg)
+    return out
+
+
+def _parse_sharegpt(raw: Any, where: str) -> list[dict[str, str]]:
+    if not isinstance(raw, list):
+        raise DataError(f"{where}: 'conversations' must be a list of {{from, value}} objects")
+    msgs = []
+    for i, m in enumerate(raw):
+        role = _SHAREGPT_ROLES.get(m.get("from")) if isinstance(m, dict) else None
+        if role is None:
+            raise DataError(f"{where}: turn {i} has unknown speaker {m!r}; expected one of {list(_SHAREGPT_ROLES)}")
+        msgs.append({"role": role, "content": m.get("value", "")})
+    return _parse_messages(msgs, where)
+
+
+def _int_list(raw: Any, name: str, where: str) -> list[int]:
+    if not isinstance(raw, list | tuple) and not hasattr(raw, "tolist"):
+        raise DataError(f"{where}: '{name}' must be a list of integers")
+    values = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+    if not all(isinstance(v, int | bool) for v in values):
+        raise DataError(f"{where}: '{name}' must contain integers only")
+    return [int(v) for v in values]
+
+
+def parse_record(obj: Any, sample_id: int, where: str) -> Record:
+    """Validate one decoded record (conversation or pre-tokenized)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    if obj.get("input_ids") is not None:
+        ids = _int_list(obj["input_ids"], "input_ids", where)
+        if "loss_mask" not in obj:
+            raise DataError(f"{where}: pre-tokenized record has input_ids but no loss_mask")
+        mask = _int_list(obj["loss_mask"], "loss_mask", where)
+        if len(ids) != len(mask):
+            raise DataError(f"{where}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
+        if not ids or any(v not in (0, 1) for v in mask) or min(ids) < 0:
+            raise DataError(f"{where}: expected non-empty input_ids >= 0 and a 0/1 loss_mask")
+        return Record(sample_id, where, input_ids=ids, loss_mask=mask)
+    if obj.get("messages") is not None:
+        return Record(sample_id, where, messages=_parse_messages(obj["messages"], where))
+    if obj.get("conversations") is not None:
+        return Record(sample_id, where, messages=_parse_sharegpt(obj["conversations"], where))
+    raise DataError(
+        f"{where}: expected a 'messages' list (role/content), ShareGPT 'conversations', or 'input_ids' + "
+        f"'loss_mask'; found keys {sorted(obj)}"
+    )
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, decoded object | DataError)`` for each non-blank line."""
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield where, json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                yield where, DataError(f"{where}: malformed JSON ({err}); fix the line or pass --skip-bad")
+
+
+def _iter_table(table: Any, path: Path) -> Iterator[tuple[str, Any]]:
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{path}#{i}", row
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    yield from _iter_table(pq.read_table(path), path)
+
+
+def _iter_arrow_stream(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        try:
+            table = pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid:
+            table = pa.ipc.open_file(source).read_all()
+    yield from _iter_table(table, path)
+
+
+def _hf_dataset_files(path: Path) -> list[Path]:
+    """Arrow files of a ``Dataset.save_to_disk`` directory (the ``train`` split of a DatasetDict)."""
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise DataError(f"{path}: a DatasetDict without a 'train' split (found {splits}); point at one split")
+        path = path / "train"
+    state = json.loads((path / "state.json").read_text())
+    return [path / f["filename"] for f in state.get("_data_files", [])]
+
+
+def _data_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return _hf_dataset_files(path)
+    files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet", ".arrow"))
+    if not files:
+        raise DataError(f"{path}: directory holds no .jsonl/.parquet/.arrow files and is not a saved HF dataset")
+    return files
+
+
+def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
+    if path.suffix == ".parquet":
+        return _iter_parquet(path)
+    if path.suffix == ".arrow":
+        return _iter_arrow_stream(path)
+    return _iter_jsonl(path)
+
+
+def _file_fingerprint(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        with p.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _load_builtin(n: int | None) -> LoadedData:
+    convs = builtin_conversations() if n is None else builtin_conversations(n)
+    records = [Record(i, f"{BUILTIN_DATA}#{i}", messages=c["messages"]) for i, c in enumerate(convs)]
+    digest = hashlib.sha256(json.dumps(convs, sort_keys=True).encode()).hexdigest()[:16]
+    return LoadedData(records, len(records), fingerprint=digest)
+
+
+def load_records(path: str, skip_bad: bool = False) -> LoadedData:
+    """Read every record of ``path`` in dataset order; malformed records raise, or are skipped when asked."""
+    if path.startswith("builtin:"):
+        name, _, count = path.partition("?n=")
+        if name != BUILTIN_DATA:
+            raise DataError(f"data.path {path!r}: unknown built-in data set; the only one is {BUILTIN_DATA!r}")
+        return _load_builtin(int(count) if count else None)
+    root = Path(path)
+    if not root.exists():
+        raise DataError(f"data.path {path}: no such file or directory")
+    files = _data_files(root)
+    out = LoadedData([], 0, fingerprint=_file_fingerprint(files))
+    for file in files:
+        for where, obj in _iter_file(file):
+            sample_id = out.n_total
+            out.n_total += 1
+            try:
+                if isinstance(obj, DataError):
+                    raise obj
+                out.records.append(parse_record(obj, sample_id, where))
+            except DataError as err:
+                if not skip_bad:
+                    raise
+                out.bad.append(str(err))
+    if out.n_total == 0:
+        raise DataError(f"data.path {path}: no records found (the file is empty); expected one conversation per line")
+    if out.bad:
+        log.warning("skipped %d bad record(s); first: %s", len(out.bad), out.bad[0])
+    return out
+
+
+def load_conversations(path: str, skip_bad: bool = False) -> list[list[dict[str, str]]]:
+    """The ``messages`` of every conversation record of ``path`` (pre-tokenized records are an error)."""
+    loaded = load_records(path, skip_bad=skip_bad)
+    for r in loaded.records:
+        if r.messages is None:
+            raise DataError(f"{r.source}: a pre-tokenized record where conversations are needed")
+    return [r.messages for r in loaded.records if r.messages is not None]

@@ -1,0 +1,245 @@
+"""The teacher: loading (HF transformers) and feature capture with forward hooks.
+
+Layer id ``k`` is the output of decoder layer ``k``, i.e. HF ``hidden_states[k + 1]``. Hooks sit on
+the chosen decoder layers only; by default the forward stops right after the deepest chosen layer,
+so neither the remaining layers nor the vocabulary logits are computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_cache.errors import ConfigError
+from dflash_cache.schema import CacheConfig, TeacherConfig
+
+from .tiny import BUILTIN_TEACHER, resolve_tiny_teacher
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARGMAX_CHUNK_TOKENS = 2048  # lm_head rows computed at a time when only the argmax is wanted
+
+
+def resolve_teacher_path(path: str) -> str:
+    """``builtin:tiny`` -> the locally built tiny teacher; anything else is returned unchanged."""
+    if path == BUILTIN_TEACHER:
+        return str(resolve_tiny_teacher())
+    if path.startswith("builtin:"):
+        raise ConfigError(f"teacher.path {path!r}: unknown built-in teacher; the only one is {BUILTIN_TEACHER!r}")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` = ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def load_tokenizer(teacher_cfg: TeacherConfig) -> Any:
+    """The teacher's tokenizer (no weights are loaded)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_teacher_path(teacher_cfg.path)
+    try:
+        return AutoTokenizer.from_pretrained(
+            path, revision=teacher_cfg.revision, trust_remote_code=teacher_cfg.trust_remote_code
+        )
+    except OSError as err:
+        raise ConfigError(
+            f"teacher.path {teacher_cfg.path!r}: could not load a tokenizer ({err}); expected a local HF model "
+            "directory or a hub id available offline"
+        ) from None
+
+
+def load_teacher_config(teacher_cfg: TeacherConfig) -> Any:
+    """The teacher's HF text config (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    path = resolve_teacher_path(teacher_cfg.path)
+    try:
+        cfg = AutoConfig.from_pretrained(
+            path, revision=teacher_cfg.revision, trust_remote_code=teacher_cfg.trust_remote_code
+        )
+    except OSError as err:
+        raise ConfigError(f"teacher.path {teacher_cfg.path!r}: could not load config.json ({err})") from None
+    return cfg.get_text_config()
+
+
+def load_teacher(teacher_cfg: TeacherConfig) -> tuple[nn.Module, Any]:
+    """Load ``(model, tokenizer)`` in eval mode with gradients off, on ``teacher.device`` (or a device_map)."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_teacher_path(teacher_cfg.path)
+    kwargs: dict[str, Any] = dict(
+        revision=teacher_cfg.revision, trust_remote_code=teacher_cfg.trust_remote_code,
+        dtype=_DTYPES[teacher_cfg.dtype],
+    )
+    if teacher_cfg.attn_implementation:
+        kwargs["attn_implementation"] = teacher_cfg.attn_implementation
+    if teacher_cfg.device_map:
+        kwargs["device_map"] = teacher_cfg.device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as err:
+        raise ConfigError(
+            f"teacher.path {teacher_cfg.path!r}: could not load the model ({err}); expected a local HF model "
+            "directory or a hub id available offline"
+        ) from None
+    if not teacher_cfg.device_map:
+        model.to(resolve_device(teacher_cfg.device))
+    model.eval().requires_grad_(False)
+    return model, load_tokenizer(teacher_cfg)
+
+
+def teacher_device(model: nn.Module) -> torch.device:
+    """Where inputs go: the device of the input embedding."""
+    return model.get_input_embeddings().weight.device
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer stack (``model.model.layers`` for Qwen3; the longest ModuleList otherwise)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ConfigError(f"{type(model).__name__}: found no decoder layer list to hook")
+    return max(lists, key=len)
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    return len(decoder_layers(model))
+
+
+def default_layer_ids(num_layers: int, n: int) -> list[int]:
+    """``n`` layer ids spaced uniformly from 1 to L-3 (36, 5 -> [1, 9, 17, 25, 33])."""
+    lo, hi = 1, max(num_layers - 3, 1)
+    if n < 1 or n > hi - lo + 1:
+        raise ConfigError(
+            f"cache.num_target_layers = {n}: a {num_layers}-layer teacher has only {hi - lo + 1} layers in "
+            f"[{lo}, {hi}]; choose fewer layers or set cache.target_layer_ids explicitly"
+        )
+    if n == 1:
+        return [lo]
+    return [lo + (2 * i * (hi - lo) + (n - 1)) // (2 * (n - 1)) for i in range(n)]
+
+
+def resolve_layer_ids(cache_cfg: CacheConfig, num_layers: int) -> list[int]:
+    """``cache.target_layer_ids`` validated against the teacher, or the default spacing."""
+    if cache_cfg.target_layer_ids is None:
+        return default_layer_ids(num_layers, cache_cfg.num_target_layers)
+    ids = list(cache_cfg.target_layer_ids)
+    bad = [k for k in ids if not 0 <= k < num_layers]
+    if bad:
+        raise ConfigError(
+            f"cache.target_layer_ids = {ids}: {bad} out of range for a teacher with {num_layers} decoder "
+            f"layers (valid: 0..{num_layers - 1}); layer k is the output of decoder layer k"
+        )
+    if sorted(set(ids)) != ids:
+        raise ConfigError(f"cache.target_layer_ids = {ids}: expected strictly increasing layer ids")
+    return ids
+
+
+class _StopForward(Exception):
+    """Raised by the deepest hook to skip the rest of the forward."""
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs of ``layer_ids`` (and optionally stop after the deepest).
+
+    with LayerCapture(model, [1, 9, 17]) as cap:
+        cap.forward(input_ids=ids, attention_mask=mask)   # or model(...) directly
+    feats = cap.features()                                # [B, T, n*H]
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], stop_after_last: bool = True):
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.stop_after_last = stop_after_last
+        self._layers = decoder_layers(model)
+        self._handles: list[Any] = []
+        self._outputs: dict[int, torch.Tensor] = {}
+        resolve_layer_ids(CacheConfig(target_layer_ids=self.layer_ids), len(self._layers))
+
+    def _hook(self, layer_id: int):
+        deepest = max(self.layer_ids)
+
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output  # [B, T, H]
+            self._outputs[layer_id] = hidden
+            if self.stop_after_last and layer_id == deepest:
+                raise _StopForward
+
+        return hook
+
+    def __enter__(self) -> LayerCapture:
+        self._outputs.clear()
+        for k in self.layer_ids:
+            self._handles.append(self._layers[k].register_forward_hook(self._hook(k)))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return exc_type is _StopForward
+
+    def forward(self, **inputs: Any) -> Any:
+        """Run ``model(**inputs)``; returns its output, or None when the forward stopped early."""
+        try:
+            return self.model(**inputs)
+        except _StopForward:
+            return None
+
+    def features(self) -> torch.Tensor:
+        """``[B, T, n*H]``: the captured layers concatenated in ``layer_ids`` order (on the first one's device)."""
+        missing = [k for k in self.layer_ids if k not in self._outputs]
+        if missing:
+            raise RuntimeError(f"layers {missing} were not captured: run a forward inside the context first")
+        first = self._outputs[self.layer_ids[0]]
+        return torch.cat([self._outputs[k].to(first.device) for k in self.layer_ids], dim=-1)
+
+
+@torch.inference_mode()
+def capture_features(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layer_ids: Sequence[int],
+    with_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(features [B, T, n*H], logits [B, T, V] | None)``; without logits the forward stops early."""
+    with LayerCapture(model, layer_ids, stop_after_last=not with_logits) as cap:
+        out = cap.forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return cap.features(), (out.logits if with_logits else None)
+
+
+@torch.inference_mode()
+def capture_features_and_argmax(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(features [B, T, n*H], argmax [B, T])``: the full stack runs, logits are formed in token chunks."""
+    with LayerCapture(model, layer_ids, stop_after_last=False) as cap:
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out.last_hidden_state  # [B, T, H], after the final norm
+    head = model.get_output_embeddings()
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [B*T, H]
+    parts = [head(flat[i : i + ARGMAX_CHUNK_TOKENS]).argmax(-1) for i in range(0, len(flat), ARGMAX_CHUNK_TOKENS)]
+    return cap.features(), torch.cat(parts).reshape(hidden.shape[:2])
+
+
+def teacher_name(teacher_cfg: TeacherConfig) -> str:
+    """The name recorded in the cache: the configured path (``builtin:tiny`` stays symbolic)."""
+    p = teacher_cfg.path
+    return p if p.startswith("builtin:") or not Path(p).exists() else str(Path(p).resolve())
