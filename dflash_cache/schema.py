@@ -140,8 +140,9 @@ class GuardsConfig(Section):
     window: int = Field(128, ge=8)
     min_history: int = Field(16, ge=4)
     z_threshold: float = Field(6.0, gt=0)
-    # sigma floor relative to the window median, so a very quiet window does not flag normal noise
-    min_rel_sigma: float = Field(0.05, ge=0)
+    # a spike must also be at least min_ratio x the window median: small tail batches have a
+    # naturally larger grad norm (a few x), explosions are orders of magnitude
+    min_ratio: float = Field(5.0, ge=1)
     max_consecutive_skips: int = Field(20, gt=0)
 
 

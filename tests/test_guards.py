@@ -61,6 +61,11 @@ def test_state_round_trip_gives_same_decisions():
         assert a.check(2.0, x) == b.check(2.0, x)
 
 
-def test_robust_z_uses_relative_floor_on_flat_window():
-    assert robust_z(1.0, [1.0] * 20, 0.05) == 0.0
-    assert math.isclose(robust_z(1.5, [1.0] * 20, 0.05), 10.0)
+def test_robust_z_and_min_ratio():
+    z, med = robust_z(1.5, [1.0, 1.1, 0.9] * 10)
+    assert med == 1.0 and math.isclose(z, 0.5 / (1.4826 * 0.1), rel_tol=1e-9)
+    # far in sigmas but below min_ratio x median: a small batch's larger gradient, not an explosion
+    g = SpikeGuard(GuardsConfig(min_history=4, min_ratio=5.0))
+    _warm(g)
+    assert not g.check(2.0, 4.0).skip
+    assert g.check(2.0, 6.0).skip

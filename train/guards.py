@@ -3,7 +3,8 @@
 Gradient clipping bounds the size of an update but not its direction: a batch whose pre-clip
 gradient norm is 1000x the usual still moves the weights by a full clipped step in a direction
 dominated by that batch. :class:`SpikeGuard` compares the pre-clip grad norm and the loss with
-robust statistics (median and MAD) of a trailing window of *accepted* steps and rejects outliers.
+robust statistics (median and MAD) of a trailing window of *accepted* steps and rejects outliers
+(more than ``z_threshold`` robust sigmas and ``min_ratio`` times the median above it).
 Rejected values never enter the window, so one explosion cannot widen the bounds for the next.
 """
 
@@ -34,13 +35,12 @@ class Verdict:
     grad_z: float = 0.0
 
 
-def robust_z(value: float, history: list[float] | deque[float], min_rel_sigma: float) -> float:
-    """(value - median) / sigma with sigma = max(1.4826 * MAD, min_rel_sigma * |median|)."""
+def robust_z(value: float, history: list[float] | deque[float]) -> tuple[float, float]:
+    """``(z, median)``: z = (value - median) / (1.4826 * MAD) over ``history`` (MAD floored at 1e-12)."""
     xs = sorted(history)
     med = _median(xs)
     mad = _median(sorted(abs(x - med) for x in xs))
-    sigma = max(MAD_TO_SIGMA * mad, min_rel_sigma * abs(med), 1e-12)
-    return (value - med) / sigma
+    return (value - med) / max(MAD_TO_SIGMA * mad, 1e-12), med
 
 
 def _median(sorted_xs: list[float]) -> float:
@@ -67,15 +67,17 @@ class SpikeGuard:
             return Verdict(True, "nonfinite_grad")
         if len(self.grad_norms) < self.cfg.min_history:
             return Verdict(False)
-        rel = self.cfg.min_rel_sigma
-        grad_z = robust_z(grad_norm, self.grad_norms, rel)
-        loss_z = robust_z(loss, self.losses, rel)
+        grad_z, grad_med = robust_z(grad_norm, self.grad_norms)
+        loss_z, loss_med = robust_z(loss, self.losses)
         # only upward excursions are harmful; a sudden drop in loss is not a reason to skip
-        if grad_z > self.cfg.z_threshold:
+        if self._is_spike(grad_norm, grad_z, grad_med):
             return Verdict(True, "grad_norm_spike", loss_z, grad_z)
-        if loss_z > self.cfg.z_threshold:
+        if self._is_spike(loss, loss_z, loss_med):
             return Verdict(True, "loss_spike", loss_z, grad_z)
         return Verdict(False, None, loss_z, grad_z)
+
+    def _is_spike(self, value: float, z: float, median: float) -> bool:
+        return z > self.cfg.z_threshold and value > self.cfg.min_ratio * median
 
     def update(self, verdict: Verdict, loss: float, grad_norm: float) -> None:
         """Record the outcome of a step: accepted values enter the window, skips are counted."""

@@ -123,23 +123,27 @@ def build_scheduler(train_cfg: TrainConfig, optimizer: torch.optim.Optimizer, to
 
 
 def build_loader(cfg: PipelineConfig, cache: Any, dist_info: DistInfo) -> Any:
-    """The streaming loader over this rank's slice of the plan, for ``train.epochs`` epochs."""
+    """The streaming loader over this rank's slice of the plan (batches land on the training device)."""
     from .loader import StreamingLoader
 
-    return StreamingLoader(
-        cache, cfg.loader, seed=cfg.train.seed, rank=dist_info.rank, world_size=dist_info.world_size,
-        epochs=cfg.train.epochs, pin_memory=dist_info.device.type == "cuda",
-    )
+    return StreamingLoader(cache, cfg.loader, seed=cfg.train.seed, rank=dist_info.rank,
+                           world_size=dist_info.world_size, device=dist_info.device, max_epochs=cfg.train.epochs)
 
 
-def total_steps_for(train_cfg: TrainConfig, batches_per_epoch: int) -> int:
-    steps_per_epoch = batches_per_epoch // train_cfg.grad_accum
-    if steps_per_epoch < 1:
+def batch_stream(loader: Any, epochs: int) -> Iterator[Batch]:
+    """Every remaining batch of this rank, epoch after epoch (the loader yields one epoch per pass)."""
+    while loader.epoch < epochs:
+        yield from loader
+
+
+def total_steps_for(train_cfg: TrainConfig, epoch_lengths: Sequence[int]) -> int:
+    """Optimizer steps of the run: all batches of all epochs over grad_accum, capped by max_steps."""
+    total = sum(epoch_lengths) // train_cfg.grad_accum
+    if total < 1:
         raise DFlashError(
-            f"an epoch has {batches_per_epoch} batches per rank, fewer than train.grad_accum="
-            f"{train_cfg.grad_accum}; lower train.grad_accum or loader.tokens_per_batch"
+            f"the run has {sum(epoch_lengths)} batches per rank, fewer than train.grad_accum="
+            f"{train_cfg.grad_accum}; lower train.grad_accum or loader.tokens_per_batch, or add data"
         )
-    total = steps_per_epoch * train_cfg.epochs
     return min(total, train_cfg.max_steps) if train_cfg.max_steps else total
 
 
@@ -398,7 +402,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     model = build_model(cfg, cache, d.device)
     optimizer = build_optimizer(cfg.train, model)
     loader = build_loader(cfg, cache, d)
-    total_steps = total_steps_for(cfg.train, loader.batches_per_epoch)
+    total_steps = total_steps_for(cfg.train, loader.epoch_lengths(cfg.train.epochs))
     scheduler = build_scheduler(cfg.train, optimizer, total_steps)
     guard = SpikeGuard(cfg.guards)
     resolved = config_to_dict(cfg)
@@ -412,7 +416,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     loss_module = build_loss_module(cfg.train, model, d)
     signals = SignalFlag(cfg.checkpoint.save_on_signal)
     progress = _progress_bar(cfg, step, total_steps, d)
-    batches = iter(loader)
+    batches = batch_stream(loader, cfg.train.epochs)
     stopped_by = "done"
     try:
         t_prev = time.perf_counter()
@@ -508,20 +512,15 @@ def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: Sp
         rec[f"acc/pos_{k}"] = acc
     for b, loss in res.metrics["bucket_loss"].items():
         rec[f"loss/bucket_{b}"] = loss
-    depth = _loader_stat(loader, "queue_depth")
-    if depth is not None:
-        rec["perf/queue_depth"] = depth
+    stats = getattr(loader, "last_stats", None)
+    if stats is not None:
+        rec["perf/queue_depth"] = stats.queue_items
+        rec["perf/queue_mb"] = stats.queue_bytes / 2**20
+        rec["perf/loader_wait_ms"] = stats.data_wait_s * 1e3
     if res.verdict.skip:
         rec["skip_reason"] = res.verdict.reason
         rec["skipped_sample_ids"] = [int(i) for b in micro for i in b.sample_ids.tolist()]
     return rec
-
-
-def _loader_stat(loader: Any, name: str) -> float | None:
-    value = getattr(loader, name, None)
-    if callable(value):
-        value = value()
-    return None if value is None else float(value)
 
 
 def _log_skip(step: int, res: StepResult, micro: Sequence[Batch]) -> None:
