@@ -302,6 +302,8 @@ class StreamingLoader:
         self._window_identity: str | None = None
         self._prefetcher: _Prefetcher | None = None
         self._pending: tuple[_Item, Any, float, int, int, int] | None = None
+        if self._static_parts is not None:  # fail here, not in a reader thread, on an unusable plan
+            self._window(0, 0, self._static_parts, 0)
 
     # ---------------------------------------------------------------- public API
 
