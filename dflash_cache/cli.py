@@ -1,15 +1,107 @@
-"""``dflash-cache``: info / verify / gc."""
+"""``dflash-cache``: inspect (info), check (verify) and clean (gc) a feature cache."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from dflash_cache.entry import run_cli
 
 
+def cache_summary(url: str) -> dict[str, Any]:
+    """The ``info --json`` document."""
+    from dflash_cache.store import open_cache
+
+    cache = open_cache(url)
+    parts = cache.parts()
+    n_tokens = sum(p.n_tokens for p in parts)
+    buckets = []
+    for b in range(cache.spec.n_buckets):
+        lo, hi = cache.bucket_bounds(b)
+        mine = [p for p in parts if p.bucket == b]
+        buckets.append({"lo": lo, "hi": hi, "n_samples": sum(p.n_samples for p in mine),
+                        "n_tokens": sum(p.n_tokens for p in mine)})
+    return {
+        "n_samples": sum(p.n_samples for p in parts),
+        "n_tokens": n_tokens,
+        "bytes_per_token": (sum(p.feature_bytes for p in parts) / n_tokens) if n_tokens else 0.0,
+        "raw_bytes_per_token": 2 * cache.spec.feature_dim,
+        "buckets": buckets,
+        "codec": cache.spec.codec,
+        "teacher": cache.spec.to_dict()["teacher"],
+        "target_layer_ids": list(cache.spec.target_layer_ids),
+        "fingerprint": cache.spec.fingerprint,
+        "uncommitted_parts": cache.uncommitted(),
+    }
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    t = info["teacher"]
+    ratio = info["bytes_per_token"] / info["raw_bytes_per_token"] if info["raw_bytes_per_token"] else 0
+    print(f"teacher      {t['name_or_path']} (rev {t['revision']}, {t['num_layers']} layers, hidden {t['hidden_size']}, "
+          f"vocab {t['vocab_size']}, {t['dtype']})")
+    print(f"layers       {info['target_layer_ids']}")
+    print(f"codec        {info['codec']}   fingerprint {info['fingerprint']}")
+    print(f"samples      {info['n_samples']}   tokens {info['n_tokens']}")
+    print(f"bytes/token  {info['bytes_per_token']:.1f} on disk, {info['raw_bytes_per_token']} raw bf16 ({ratio:.3f})")
+    for b in info["buckets"]:
+        print(f"  bucket ({b['lo']}, {b['hi']}]: {b['n_samples']} samples, {b['n_tokens']} tokens")
+    left = info["uncommitted_parts"]
+    print(f"uncommitted  {len(left)}" + (f": {', '.join(left)}" if left else ""))
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = cache_summary(args.cache)
+    if args.json:
+        info.pop("teacher")
+        print(json.dumps(info, indent=1))
+    else:
+        _print_info(info)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from dflash_cache.verify import verify_cache
+
+    report = verify_cache(args.cache)  # raises CacheCorruptError (exit 2) naming the part and array
+    print(report.summary())
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from dflash_cache.store import open_cache
+
+    removed = open_cache(args.cache).gc(min_age_s=args.min_age, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {len(removed)} uncommitted part(s)" + "".join(f"\n  {k}" for k in removed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-cache", description="Inspect, check and clean a dflash feature cache.")
+    sub = p.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="samples, tokens, bytes per token, buckets, codec, teacher, leftovers")
+    info.add_argument("cache", help="cache path or fsspec URL")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    info.set_defaults(fn=_cmd_info)
+    ver = sub.add_parser("verify", help="re-read every committed part and check it; non-zero exit on a fault")
+    ver.add_argument("cache")
+    ver.set_defaults(fn=_cmd_verify)
+    gc = sub.add_parser("gc", help="remove uncommitted leftovers of dead writers")
+    gc.add_argument("cache")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    gc.add_argument("--min-age", type=float, default=3600.0,
+                    help="for leftovers written on other hosts: only remove those older than this many seconds")
+    gc.set_defaults(fn=_cmd_gc)
+    return p
+
+
 def _main(argv: Sequence[str] | None) -> int | None:
-    raise NotImplementedError("dflash-cache is being built (issue 2)")
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,3 +42,10 @@ class SpecMismatchError(CacheError):
 
 class DataError(DFlashError):
     """Bad input data (names file:line or sample id)."""
+
+
+class SampleNotFoundError(CacheError, KeyError):
+    """A requested sample id is not in any committed part."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import CacheCorruptError
+from .errors import CacheCorruptError, SampleNotFoundError
 from .parts import PartInfo
 from .reader import ArrayReader, layouts_for
 from .storage import Storage
@@ -35,7 +35,7 @@ class CacheIndex:
         return int(self.lengths.sum(dtype=np.int64))
 
     def positions(self, sample_ids: np.ndarray | list[int]) -> np.ndarray:
-        """Index rows of ``sample_ids`` (KeyError naming the first unknown id)."""
+        """Index rows of ``sample_ids`` (SampleNotFoundError naming unknown ids)."""
         if self._order is None:
             self._order = np.argsort(self.sample_ids, kind="stable")
         ids = np.asarray(sample_ids, dtype=np.int64)
@@ -45,7 +45,8 @@ class CacheIndex:
         found = (len(self) > 0) & (sorted_ids[pos] == ids) if len(self) else np.zeros(ids.shape, bool)
         if not np.all(found):
             missing = ids[~found][:5].tolist()
-            raise KeyError(f"sample ids {missing} are not in any committed part of the cache")
+            raise SampleNotFoundError(f"sample ids {missing} are not in any committed part of the cache "
+                                      "(never written, or their part has no commit record)")
         return self._order[pos]
 
 

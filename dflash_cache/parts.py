@@ -64,6 +64,28 @@ class PartInfo:
 
     @classmethod
     def from_record(cls, raw: bytes, key: str) -> PartInfo:
+        info = cls._parse(raw, key)
+        bad = info.inconsistency()
+        if bad:
+            raise CacheCorruptError(f"part {key}: commit record {COMMIT} disagrees with itself: {bad}; "
+                                    "the part cannot be trusted: delete it and re-extract its work unit",
+                                    part=key, array=COMMIT)
+        return info
+
+    def inconsistency(self) -> str | None:
+        """Why the counts and array shapes of the record disagree, or None."""
+        a = self.arrays
+        want = {"features": self.n_tokens, "input_ids": self.n_tokens, "loss_mask": self.n_tokens,
+                "sample_ids": self.n_samples, "offsets": self.n_samples + 1}
+        for name, n in want.items():
+            if name not in a:
+                return f"array {name} is not listed"
+            if int(a[name]["shape"][0]) != n:
+                return f"{name} has {a[name]['shape'][0]} rows but the counts say {n}"
+        return None
+
+    @classmethod
+    def _parse(cls, raw: bytes, key: str) -> PartInfo:
         try:
             rec = json.loads(raw)
             return cls(bucket=int(rec["bucket"]), name=str(rec["name"]), n_samples=int(rec["n_samples"]),

@@ -17,6 +17,11 @@ from typing import Any
 import fsspec
 
 
+def fsync_enabled() -> bool:
+    """``DFLASH_CACHE_FSYNC=0`` skips fsync (tests, scratch caches): commits stay atomic, not durable."""
+    return os.environ.get("DFLASH_CACHE_FSYNC", "1") != "0"
+
+
 def is_local_url(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
@@ -102,14 +107,14 @@ class LocalStorage(Storage):
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-                if durable:
+                if durable and fsync_enabled():
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        if durable:
+        if durable and fsync_enabled():
             _fsync_dir(path.parent)
 
     def list_dir(self, prefix: str) -> list[str]:
@@ -134,6 +139,8 @@ class LocalStorage(Storage):
         shutil.rmtree(self._p(prefix), ignore_errors=True)
 
     def sync_tree(self, prefix: str) -> None:
+        if not fsync_enabled():
+            return
         base = self._p(prefix)
         for dirpath, _, files in os.walk(base):
             for name in files:

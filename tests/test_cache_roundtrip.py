@@ -14,6 +14,11 @@ from dflash_cache.synthetic import synthetic_features
 H, N_LAYERS = 32, 2
 
 
+@pytest.fixture(autouse=True)
+def _no_fsync(monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")  # durability is exercised in test_cache_integrity
+
+
 def _spec(codec: str = "bf16-zstd", **kw) -> CacheSpec:
     base = dict(teacher=TeacherInfo("tiny", None, 4, H, 100, "bfloat16"), target_layer_ids=[1, 2],
                 tokenizer_hash="tok", max_length=300, codec=codec, bucket_edges=[16, 64], dataset_fingerprint="d")
