@@ -1,0 +1,64 @@
+"""The extraction progress bar: samples, tokens/s, ETA, bytes written, projected size (all ranks)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tqdm import tqdm
+
+from .dist import DistContext, SharedCounters
+
+_REFRESH_S = 1.0
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class ExtractProgress:
+    """Counters updated by the compute loop and writer threads; rank 0 draws the aggregated bar."""
+
+    def __init__(self, ctx: DistContext, total_samples: int, enabled: bool = True):
+        self.ctx = ctx
+        self.counts = {"samples": 0.0, "tokens": 0.0, "bytes": 0.0, "committed_samples": 0.0}
+        self._lock = threading.Lock()
+        self._shared = SharedCounters(ctx)
+        self._t0 = time.perf_counter()
+        self._last = 0.0
+        self.total = total_samples
+        self.bar = tqdm(total=total_samples, unit="sample", dynamic_ncols=True, desc="extract",
+                        disable=not enabled or ctx.rank != 0, mininterval=_REFRESH_S)
+
+    def add(self, **delta: float) -> None:
+        with self._lock:
+            for k, v in delta.items():
+                self.counts[k] += v
+
+    def refresh(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < _REFRESH_S:
+            return
+        self._last = now
+        with self._lock:
+            own = dict(self.counts)
+        self._shared.publish(own)
+        if self.ctx.rank != 0 or self.bar.disable:
+            return
+        tot = self._shared.totals(own)
+        self.bar.n = int(tot["samples"])
+        elapsed = max(now - self._t0, 1e-9)
+        per_sample = tot["bytes"] / tot["committed_samples"] if tot["committed_samples"] else 0.0
+        self.bar.set_postfix_str(
+            f"{tot['tokens'] / elapsed:,.0f} tok/s, written {human_bytes(tot['bytes'])}, "
+            f"projected {human_bytes(per_sample * self.total)}", refresh=False,
+        )
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.refresh(force=True)
+        self.bar.close()
