@@ -1,0 +1,336 @@
+"""``dflash-train eval CONFIG --cache CACHE --checkpoint CKPT_OR_RUN_DIR [--json] [--live]``.
+
+Two measurements of the same quantity, the acceptance length tau (tokens per target forward):
+
+* **teacher-forced** (:func:`teacher_forced_eval`): over the held-out samples of the cache (those the
+  training plan leaves out: id hash below ``loader.holdout_fraction``), every eligible anchor, greedy
+  drafts; tau = 1 + mean number of leading drafted tokens equal to the data, per-position accuracy.
+  A block near the end of a sample cannot be accepted past it, so tau is capped there.
+* **live** (:func:`live_eval`): real greedy speculative decoding with the teacher. Each cycle the
+  drafter proposes B-1 tokens from the teacher's captured features of the accepted context, the
+  teacher verifies the block in one forward, the longest matching prefix plus the teacher's own next
+  token is kept. Reports tau per prompt and overall, and checks that the output equals the teacher's
+  plain greedy decoding token for token (any difference is an error: the decoding is lossless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dflash_cache.errors import ConfigError, DFlashError
+
+from .attention import BlockLayout
+from .objective import all_anchors, block_metrics, eligible_anchors, forward_blocks, merge_metrics
+
+log = logging.getLogger(__name__)
+
+
+class LosslessnessError(DFlashError):
+    """Speculative decoding produced something other than the teacher's greedy output."""
+
+    exit_code = 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Teacher-forced acceptance on held-out cache samples
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TeacherForcedResult:
+    acceptance_length: float
+    per_position_accuracy: list[float]
+    n_blocks: int
+    n_samples: int
+
+
+def holdout_sample_ids(cache: Any, fraction: float) -> np.ndarray:
+    """The cache's held-out sample ids (the same rule the training plan uses to leave them out)."""
+    from .plan import holdout_mask
+
+    ids = np.asarray(cache.index().sample_ids, dtype=np.int64)
+    return np.sort(ids[holdout_mask(ids, fraction)])
+
+
+def _sample_batch(sample: Any, device: torch.device) -> SimpleNamespace:
+    """One cache sample as a one-row batch (a single document, positions from 0)."""
+    T = int(sample.input_ids.shape[0])
+    return SimpleNamespace(
+        features=sample.features.unsqueeze(0).to(device),  # [1, T, n*H]
+        input_ids=torch.as_tensor(sample.input_ids, dtype=torch.long).unsqueeze(0).to(device),
+        loss_mask=torch.as_tensor(sample.loss_mask, dtype=torch.bool).unsqueeze(0).to(device),
+        doc_ids=torch.zeros(1, T, dtype=torch.int32, device=device),
+        position_ids=torch.arange(T, device=device).unsqueeze(0),
+        seed=0,
+    )
+
+
+@torch.no_grad()
+def sample_metrics(model: Any, batch: Any, anchors_per_forward: int = 256) -> dict[str, Tensor] | None:
+    """Greedy metrics of every eligible anchor of a batch, in forwards of at most ``anchors_per_forward``."""
+    anchors, valid = all_anchors(eligible_anchors(batch.loss_mask, batch.doc_ids))  # [R, N]
+    total = None
+    for s in range(0, anchors.shape[1], anchors_per_forward):
+        a, v = anchors[:, s:s + anchors_per_forward], valid[:, s:s + anchors_per_forward]
+        if not v.any():
+            continue
+        logits, blocks = forward_blocks(model, batch, a, v)  # [R, n, B, V]
+        total = merge_metrics(total, block_metrics(logits.argmax(-1), blocks))
+    return total
+
+
+def teacher_forced_eval(model: Any, cache: Any, sample_ids: Sequence[int], *, max_blocks: int | None = None,
+                        read_batch: int = 16) -> TeacherForcedResult:
+    """Teacher-forced acceptance of ``model`` over ``sample_ids`` of ``cache`` (every eligible anchor)."""
+    if len(sample_ids) == 0:
+        raise ConfigError(
+            "no samples to evaluate: the cache has no held-out samples at loader.holdout_fraction; "
+            "raise loader.holdout_fraction (before training) or pass --samples all"
+        )
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, n_samples = None, 0
+    try:
+        for s in range(0, len(sample_ids), read_batch):
+            for sample in cache.read_samples([int(i) for i in sample_ids[s:s + read_batch]]):
+                m = sample_metrics(model, _sample_batch(sample, device))
+                n_samples += 1
+                if m is not None:
+                    total = merge_metrics(total, m)
+                if max_blocks and total is not None and int(total["n_blocks"]) >= max_blocks:
+                    break
+            if max_blocks and total is not None and int(total["n_blocks"]) >= max_blocks:
+                break
+    finally:
+        model.train(was_training)
+    if total is None:
+        B = model.config.block_size
+        return TeacherForcedResult(float("nan"), [float("nan")] * (B - 1), 0, n_samples)
+    return TeacherForcedResult(float(total["acceptance_length"]), [float(x) for x in total["accuracy_per_position"]],
+                               int(total["n_blocks"]), n_samples)
+
+
+# ----------------------------------------------------------------------------------------------
+# Live speculative decoding with the teacher
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LivePromptResult:
+    prompt_tokens: int
+    generated: list[int]
+    accepted_per_cycle: list[int]  # tokens each teacher verification produced (drafts kept + 1)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accepted_per_cycle) / max(1, len(self.accepted_per_cycle))
+
+
+@dataclass
+class LiveResult:
+    prompts: list[LivePromptResult] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        cycles = [n for p in self.prompts for n in p.accepted_per_cycle]
+        return sum(cycles) / max(1, len(cycles))
+
+
+def _teacher_step(teacher: Any, ids: list[int], layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Full teacher forward over ``ids``: (features [T, n*H], greedy next token per position [T])."""
+    from extract.teacher import capture_features, teacher_device
+
+    x = torch.tensor([ids], dtype=torch.long, device=teacher_device(teacher))
+    feats, logits = capture_features(teacher, x, None, layer_ids, with_logits=True)
+    return feats[0], logits[0].argmax(-1)
+
+
+@torch.no_grad()
+def greedy_reference(teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """The teacher's own greedy continuation (full forward per token, like the verifier)."""
+    from extract.teacher import teacher_device
+
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = teacher(input_ids=torch.tensor([ids], device=teacher_device(teacher)), use_cache=False).logits
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok in eos:
+            break
+    return out
+
+
+@torch.no_grad()
+def propose(model: Any, ctx_features: Tensor, last_token: int) -> list[int]:
+    """Greedy block draft: B-1 tokens after ``last_token`` (not yet seen by the teacher), given the
+    teacher features of the P tokens before it. ctx_features [P, n*H]."""
+    cfg = model.config
+    B, P = cfg.block_size, int(ctx_features.shape[0])
+    device = next(model.parameters()).device
+    block = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=device)
+    block[0, 0] = last_token
+    layout = BlockLayout(anchors=torch.tensor([[P]], device=device), valid=torch.ones(1, 1, dtype=torch.bool, device=device),
+                         doc_ids=torch.zeros(1, P, dtype=torch.int32, device=device), block_size=B)
+    hidden = model(ctx_features.unsqueeze(0).to(device), block, torch.arange(P, device=device).unsqueeze(0),
+                   (P + torch.arange(B, device=device)).unsqueeze(0), layout)  # [1, B, H]
+    return model.logits(hidden[0, 1:]).argmax(-1).tolist()
+
+
+@torch.no_grad()
+def speculative_decode(model: Any, teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int],
+                       layer_ids: Sequence[int]) -> LivePromptResult:
+    """Greedy speculative decoding; the teacher verifies each drafted block in one forward."""
+    feats, nxt = _teacher_step(teacher, prompt, layer_ids)  # prefill
+    seq, pending = list(prompt), int(nxt[-1])  # seq: tokens the teacher has features for
+    generated, cycles = [pending], []
+    while len(generated) < max_new_tokens and pending not in eos:
+        drafts = propose(model, feats, pending)
+        feats_v, post = _teacher_step(teacher, seq + [pending] + drafts, layer_ids)
+        P = len(seq)
+        verdict = post[P:].tolist()  # teacher's token after pending, after each draft
+        n = 0
+        while n < len(drafts) and drafts[n] == verdict[n]:
+            n += 1
+        new = drafts[:n] + [verdict[n]]
+        room = max_new_tokens - len(generated)
+        stop = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        new = new[:min(room, stop)]
+        cycles.append(len(new))
+        seq = seq + [pending] + new[:-1]
+        feats = feats_v[: len(seq)]
+        generated.extend(new)
+        pending = new[-1]
+    return LivePromptResult(len(prompt), generated, cycles)
+
+
+def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new_tokens: int, eos: set[int],
+              layer_ids: Sequence[int]) -> LiveResult:
+    """Speculative decoding on every prompt, checked token for token against the teacher's greedy output."""
+    was_training = model.training
+    model.eval()
+    result = LiveResult()
+    try:
+        for i, prompt in enumerate(prompts):
+            got = speculative_decode(model, teacher, prompt, max_new_tokens, eos, layer_ids)
+            want = greedy_reference(teacher, prompt, max_new_tokens, eos)
+            if got.generated != want:
+                k = next((j for j, (a, b) in enumerate(zip(got.generated, want, strict=False)) if a != b),
+                         min(len(got.generated), len(want)))
+                raise LosslessnessError(
+                    f"prompt {i}: speculative decoding diverged from the teacher's greedy output at generated "
+                    f"token {k} (speculative {got.generated[k:k + 5]}, greedy {want[k:k + 5]}); the verifier "
+                    "must only keep drafts equal to the teacher's argmax"
+                )
+            result.prompts.append(got)
+            log.info("live prompt %d: %d tokens, tau %.3f", i, len(got.generated), got.tau)
+    finally:
+        model.train(was_training)
+    return result
+
+
+def chat_prompts(tokenizer: Any, texts: Sequence[str], enable_thinking: bool | None) -> list[list[int]]:
+    """Token ids of each text as a single user turn with the generation prompt."""
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    out = []
+    for text in texts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out.append([int(t) for t in ids])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint -> drafter
+# ----------------------------------------------------------------------------------------------
+
+
+def load_for_eval(checkpoint: str, cache: Any, attention: str = "auto", device: torch.device | None = None) -> Any:
+    """A drafter from a checkpoint / run dir / drafter dir, checked against ``cache`` (names the field)."""
+    from .export import config_for, load_weights
+    from .model import DFlashDrafter
+
+    loaded = load_weights(checkpoint)
+    cfg = config_for(loaded, cache.spec)
+    if loaded.cache_fingerprint and loaded.cache_fingerprint != cache.spec.fingerprint:
+        log.warning("%s was trained on another cache (fingerprint %s, this one %s); evaluating anyway",
+                    loaded.source, loaded.cache_fingerprint, cache.spec.fingerprint)
+    embed, lm_head = cache.load_head()
+    model = DFlashDrafter(cfg, embed, lm_head, attention=attention)
+    model.load_state_dict({k: v.float() for k, v in loaded.state.items()})
+    return model.to(device or torch.device("cpu")).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-train eval", description="Acceptance length of a drafter.")
+    p.add_argument("config", help="TOML preset (the run's config): model/loader/eval/teacher sections")
+    p.add_argument("--cache", required=True, help="feature cache URL (held-out samples and the frozen head)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir, run dir (latest checkpoint) or drafter dir")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--samples", choices=["holdout", "all"], default="holdout",
+                   help="teacher-forced eval over the held-out samples (default) or the whole cache")
+    p.add_argument("--live", action="store_true", help="also run live speculative decoding with the teacher")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    from dflash_cache import open_cache
+    from dflash_cache.config import load_config
+
+    args = _parser().parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cache = open_cache(args.cache)
+    model = load_for_eval(args.checkpoint, cache, cfg.model.attention, device)
+    ids = (holdout_sample_ids(cache, cfg.loader.holdout_fraction) if args.samples == "holdout"
+           else np.sort(np.asarray(cache.index().sample_ids, dtype=np.int64)))
+    tf = teacher_forced_eval(model, cache, ids, max_blocks=cfg.eval.max_blocks)
+    report: dict[str, Any] = asdict(tf)
+    if args.live:
+        report["live"] = _run_live(model, cfg, cache)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"teacher-forced: tau {tf.acceptance_length:.3f} over {tf.n_blocks} blocks "
+              f"({tf.n_samples} samples); accuracy per position "
+              + " ".join(f"{a:.3f}" for a in tf.per_position_accuracy))
+        if args.live:
+            live = report["live"]
+            print(f"live: tau {live['tau']:.3f} overall; per prompt "
+                  + " ".join(f"{t:.2f}" for t in live["tau_per_prompt"]) + "; lossless: yes")
+    return 0
+
+
+def _run_live(model: Any, cfg: Any, cache: Any) -> dict[str, Any]:
+    from extract.builtin_text import builtin_prompts
+    from extract.teacher import load_teacher
+
+    teacher, tokenizer = load_teacher(cfg.teacher)
+    texts = builtin_prompts(cfg.eval.live_prompts) if cfg.eval.live_prompts else []
+    prompts = chat_prompts(tokenizer, texts, cfg.data.enable_thinking)
+    eos = {int(t) for t in np.atleast_1d(teacher.generation_config.eos_token_id or tokenizer.eos_token_id)}
+    res = live_eval(model, teacher, prompts, max_new_tokens=cfg.eval.live_max_new_tokens, eos=eos,
+                    layer_ids=list(cache.spec.target_layer_ids))
+    return {"tau": res.tau, "tau_per_prompt": [p.tau for p in res.prompts],
+            "generated_tokens": [len(p.generated) for p in res.prompts], "lossless": True}
