@@ -43,22 +43,77 @@ CODEC_INFO = {
 }
 
 
+@dataclass(frozen=True)
+class BloscParams:
+    cname: str
+    clevel: int
+    shuffle: str  # "noshuffle" | "shuffle" | "bitshuffle"
+    blocksize: int
+
+    def zarr_codec(self, typesize: int) -> BloscCodec:
+        return BloscCodec(cname=self.cname, clevel=self.clevel, shuffle=self.shuffle, typesize=typesize,
+                          blocksize=self.blocksize)
+
+
+_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+FEATURE_BLOSC: dict[str, BloscParams | None] = {
+    "bf16-zstd": BloscParams("zstd", 1, "shuffle", 1 << 20),
+    "bf16-lz4": BloscParams("lz4", 5, "bitshuffle", 1 << 20),
+    "bf16-raw": None,
+    "fp8-e4m3": BloscParams("zstd", 1, "noshuffle", 1 << 20),
+}
+SMALL_BLOSC = BloscParams("zstd", 3, "shuffle", 0)
+
+
+def _compressors(params: BloscParams | None, typesize: int) -> list:
+    return ([params.zarr_codec(typesize)] if params else []) + [Crc32cCodec()]
+
+
 def feature_compressors(codec: str) -> list:
     """zarr bytes-to-bytes codecs for the feature array's inner chunks (crc32c last)."""
-    if codec == "bf16-zstd":
-        return [BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2, blocksize=1 << 20), Crc32cCodec()]
-    if codec == "bf16-lz4":
-        return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=2, blocksize=1 << 20), Crc32cCodec()]
-    if codec == "bf16-raw":
-        return [Crc32cCodec()]
-    if codec == "fp8-e4m3":
-        return [BloscCodec(cname="zstd", clevel=1, shuffle="noshuffle", typesize=1, blocksize=1 << 20), Crc32cCodec()]
-    raise ValueError(f"unknown codec {codec!r}; expected one of {list(CODEC_INFO)}")
+    if codec not in FEATURE_BLOSC:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {list(CODEC_INFO)}")
+    return _compressors(FEATURE_BLOSC[codec], 2 if CODEC_INFO[codec].stored_dtype == "uint16" else 1)
 
 
-def small_compressors() -> list:
+def small_compressors(typesize: int | None = None) -> list:
     """Codecs for the small per-token and per-sample arrays (ids, masks, offsets, scales)."""
-    return [BloscCodec(cname="zstd", clevel=3, shuffle="shuffle", blocksize=0), Crc32cCodec()]
+    p = SMALL_BLOSC
+    codec = BloscCodec(cname=p.cname, clevel=p.clevel, shuffle=p.shuffle, blocksize=p.blocksize,
+                       typesize=typesize)
+    return [codec, Crc32cCodec()]
+
+
+def encode_chunk(chunk: np.ndarray, params: BloscParams | None) -> bytes:
+    """One inner chunk as zarr stores it: ``bytes`` (little endian) -> [blosc] -> crc32c appended."""
+    chunk = np.ascontiguousarray(chunk)
+    body = chunk.tobytes() if params is None else numcodecs.blosc.compress(
+        chunk, params.cname.encode(), params.clevel, _SHUFFLE[params.shuffle], params.blocksize)
+    return body + crc32c(np.frombuffer(body, np.uint8)).to_bytes(4, "little")
+
+
+def encode_shard(rows: np.ndarray, chunk_rows: int, shard_rows: int, params: BloscParams | None) -> bytes:
+    """A whole shard object of the zarr sharding codec (inner chunks, then the index + its crc32c).
+
+    ``rows`` holds up to ``shard_rows`` rows; the last inner chunk is padded with zeros (the fill value)
+    as zarr does, and inner chunks past the data are marked empty in the index.
+    """
+    n_inner = shard_rows // chunk_rows
+    index = np.full((n_inner, 2), np.iinfo(np.uint64).max, dtype="<u8")
+    pieces, offset = [], 0
+    for j in range(-(-rows.shape[0] // chunk_rows)):
+        part = rows[j * chunk_rows:(j + 1) * chunk_rows]
+        if part.shape[0] < chunk_rows:
+            pad = np.zeros((chunk_rows, *rows.shape[1:]), dtype=rows.dtype)
+            pad[:part.shape[0]] = part
+            part = pad
+        enc = encode_chunk(part, params)
+        index[j] = (offset, len(enc))
+        pieces.append(enc)
+        offset += len(enc)
+    idx = index.tobytes()
+    pieces.append(idx + crc32c(np.frombuffer(idx, np.uint8)).to_bytes(4, "little"))
+    return b"".join(pieces)
 
 
 # ---- bf16 <-> uint16 ---------------------------------------------------------------------------

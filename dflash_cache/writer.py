@@ -19,7 +19,18 @@ import numpy as np
 import torch
 import zarr
 
-from .codecs import CODEC_INFO, bf16_to_u16, crc32c, feature_compressors, quantize_fp8, small_compressors
+from .codecs import (
+    CODEC_INFO,
+    FEATURE_BLOSC,
+    SMALL_BLOSC,
+    BloscParams,
+    bf16_to_u16,
+    crc32c,
+    encode_shard,
+    feature_compressors,
+    quantize_fp8,
+    small_compressors,
+)
 from .errors import CacheError, DataError
 from .parts import COMMIT, LEASE, PartInfo, check_part_name, part_key
 
@@ -39,14 +50,20 @@ def _as_1d(x: Any, name: str, sample_id: int) -> np.ndarray:
 
 
 class _ShardedArray:
-    """A token-sharded 2-D array written one whole shard at a time; tracks a crc32c of all rows."""
+    """A token-sharded 2-D array written one whole shard at a time; tracks a crc32c of all rows.
 
-    def __init__(self, group_store: Any, name: str, width: int, dtype: str, chunk: int, shard: int,
-                 compressors: list, attrs: dict[str, Any]):
-        self.arr = zarr.create_array(group_store, name=name, shape=(0, width), dtype=dtype, chunks=(chunk, width),
-                                     shards=(shard, width), compressors=compressors, fill_value=0,
-                                     attributes=attrs, config=_ZCONFIG)
-        self.buf = np.empty((shard, width), dtype=dtype)
+    zarr writes the array metadata; the shard objects are encoded here (the zarr sharding format:
+    inner chunks, then their index) and put whole, which avoids zarr's per-chunk overhead.
+    """
+
+    def __init__(self, cache: FeatureCache, part: str, name: str, width: int, dtype: str,
+                 params: BloscParams | None, compressors: list, attrs: dict[str, Any]):
+        self.storage, self.key = cache.storage, f"{part}/{name}"
+        self.chunk, self.shard, self.params = cache.chunk_tokens, cache.shard_tokens, params
+        self.arr = zarr.create_array(cache.storage.zarr_store(part), name=name, shape=(0, width), dtype=dtype,
+                                     chunks=(self.chunk, width), shards=(self.shard, width), compressors=compressors,
+                                     fill_value=0, attributes=attrs, config=_ZCONFIG)
+        self.buf = np.empty((self.shard, width), dtype=dtype)
         self.fill = 0  # rows buffered
         self.written = 0  # rows on storage
         self.crc = 0
@@ -65,13 +82,16 @@ class _ShardedArray:
         if not self.fill:
             return
         data = self.buf[:self.fill]
-        self.arr.resize((self.written + self.fill, self.buf.shape[1]))
-        self.arr[self.written:self.written + self.fill] = data  # one whole shard (or the final partial one)
+        shard = self.written // self.shard
+        blob = encode_shard(data, self.chunk, self.shard, self.params)  # one whole shard (or the final partial one)
+        self.storage.put(f"{self.key}/c/{shard}/0", blob)
         self.crc = crc32c(data, self.crc)
         self.written += self.fill
         self.fill = 0
 
-    def record(self) -> dict[str, Any]:
+    def finish(self) -> dict[str, Any]:
+        self.flush()
+        self.arr.resize((self.written, self.buf.shape[1]))  # metadata only: the shards are in place
         return {"shape": [self.written, self.buf.shape[1]], "dtype": str(self.buf.dtype), "crc32c": self.crc}
 
 
@@ -113,14 +133,14 @@ class PartWriter:
         st.put(f"{self.key}/{LEASE}", json.dumps(lease).encode())
         self._store = st.zarr_store(self.key)
         zarr.create_group(self._store, attributes={"bucket": self.bucket, "name": self.name, "meta": self.meta})
-        c, s = self.cache.chunk_tokens, self.cache.shard_tokens
         d, n = self.cache.spec.feature_dim, self.cache.spec.n_layers
-        self._features = _ShardedArray(self._store, "features", d, self.codec.stored_dtype, c, s,
-                                       feature_compressors(self.codec.name),
+        self._features = _ShardedArray(self.cache, self.key, "features", d, self.codec.stored_dtype,
+                                       FEATURE_BLOSC[self.codec.name], feature_compressors(self.codec.name),
                                        {"logical_dtype": self.codec.logical_dtype})
         self._scales = None
         if self.codec.has_scales:
-            self._scales = _ShardedArray(self._store, "scales", n, "float32", c, s, small_compressors(),
+            self._scales = _ShardedArray(self.cache, self.key, "scales", n, "float32", SMALL_BLOSC,
+                                         small_compressors(4),
                                          {"meaning": "per-token, per-layer fp8 scale (absmax / 448)"})
 
     # -- writing ----------------------------------------------------------------------------------
@@ -144,6 +164,51 @@ class PartWriter:
         self.n_samples += 1
         self.n_tokens += t
         self._offsets.append(self.n_tokens)
+
+    def add_batch(self, sample_ids: Any, lengths: Any, input_ids: Any, loss_mask: Any, features: torch.Tensor,
+                  target_argmax: Any = None) -> None:
+        """Append several samples at once, concatenated along tokens (no padding): ``sample_ids [S]``,
+        ``lengths [S]``, ``input_ids [sum(lengths)]``, ``loss_mask [sum]``, ``features [sum, n*H]``.
+        Same checks as :meth:`add`, vectorised (for extraction batches and bulk copies)."""
+        if self._closed:
+            raise CacheError(f"part {self.key} is already committed or aborted; open a new part writer")
+        sids = _as_1d(sample_ids, "sample_ids", -1).astype(np.int64)
+        lens = _as_1d(lengths, "lengths", -1).astype(np.int64)
+        ids, mask = _as_1d(input_ids, "input_ids", -1), _as_1d(loss_mask, "loss_mask", -1)
+        argmax = None if target_argmax is None else _as_1d(target_argmax, "target_argmax", -1)
+        self._check_batch(sids, lens, ids, mask, features, argmax)
+        self._push_features(-1, features)
+        self._tokens["input_ids"].append(ids.astype(np.int32))
+        self._tokens["loss_mask"].append(mask.astype(bool))
+        if argmax is not None:
+            self._tokens["target_argmax"].append(argmax.astype(np.int32))
+        self._ids.extend(sids.tolist())
+        self._id_set.update(sids.tolist())
+        self.n_samples += len(sids)
+        self._offsets.extend((self.n_tokens + np.cumsum(lens)).tolist())
+        self.n_tokens += int(lens.sum())
+
+    def _check_batch(self, sids: np.ndarray, lens: np.ndarray, ids: np.ndarray, mask: np.ndarray,
+                     features: torch.Tensor, argmax: np.ndarray | None) -> None:
+        total = int(lens.sum())
+        if len(sids) != len(lens) or len(np.unique(sids)) != len(sids) or self._id_set & set(sids.tolist()):
+            raise DataError(f"part {self.key}: sample_ids must be unique and match lengths ({len(sids)} ids, "
+                            f"{len(lens)} lengths)")
+        if ids.shape[0] != total or mask.shape[0] != total or (argmax is not None and argmax.shape[0] != total):
+            raise DataError(f"part {self.key}: input_ids/loss_mask/target_argmax must hold sum(lengths)={total} tokens")
+        if tuple(features.shape) != (total, self.cache.spec.feature_dim):
+            raise DataError(f"part {self.key}: features must be [{total}, {self.cache.spec.feature_dim}], "
+                            f"got {list(features.shape)}")
+        lo, hi = self.cache.bucket_bounds(self.bucket)
+        if len(lens) and (lens.min() <= lo or lens.max() > min(hi, max(self.cache.spec.max_length, lo + 1))):
+            raise DataError(f"part {self.key}: sample lengths {lens.min()}..{lens.max()} outside this bucket "
+                            f"({lo}, {hi}]; route samples with cache.bucket_of(T)")
+        if self._with_argmax is None:
+            self._with_argmax = argmax is not None
+        elif self._with_argmax != (argmax is not None):
+            raise DataError(f"part {self.key}: target_argmax must be given for every sample of a part or for none")
+        if not bool(torch.isfinite(features).all()):
+            raise DataError(f"part {self.key}: features contain NaN or Inf; skip those samples (extract.on_nonfinite)")
 
     def _check_sample(self, sid: int, ids: np.ndarray, mask: np.ndarray, features: torch.Tensor,
                       target_argmax: Any) -> int:
@@ -194,8 +259,7 @@ class PartWriter:
         arrays: dict[str, dict[str, Any]] = {}
         for name, arr in (("features", self._features), ("scales", self._scales)):
             if arr is not None:
-                arr.flush()
-                arrays[name] = arr.record()
+                arrays[name] = arr.finish()
         for name, chunks in self._tokens.items():
             if name == "target_argmax" and not self._with_argmax:
                 continue

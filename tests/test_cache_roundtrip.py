@@ -156,3 +156,16 @@ def test_tied_head(tmp_path):
     cache.save_head(emb)
     e, h = cache.load_head()
     assert torch.equal(e, emb) and torch.equal(h, emb)
+
+
+def test_add_batch_equals_add(tmp_path):
+    samples = _samples(6)
+    a = create_cache(str(tmp_path / "a"), _spec(), chunk_tokens=16, shard_tokens=64)
+    _write(a, samples)
+    b = create_cache(str(tmp_path / "b"), _spec(), chunk_tokens=16, shard_tokens=64)
+    with b.part_writer(1, "p0", meta={"unit": "p0"}) as w:
+        w.add_batch([s[0] for s in samples], [s[1].shape[0] for s in samples], torch.cat([s[1] for s in samples]),
+                    torch.cat([s[2] for s in samples]), torch.cat([s[3] for s in samples]))
+        with pytest.raises(DataError, match="unique"):
+            w.add_batch([samples[0][0]], [samples[0][1].shape[0]], samples[0][1], samples[0][2], samples[0][3])
+    assert a.parts()[0].arrays == b.parts()[0].arrays  # same shapes, same checksums, same bytes on disk
