@@ -155,7 +155,8 @@ def _flex_mask(layout: BlockLayout, causal: bool, window: int | None) -> Any:
         return ctx_ok | blk_ok
 
     return create_block_mask(
-        mask_mod, B=R, H=None, Q_LEN=N * B, KV_LEN=T + N * B, device=str(anchors.device), _compile=False
+        mask_mod, B=R, H=None, Q_LEN=N * B, KV_LEN=T + N * B, device=str(anchors.device),
+        _compile=anchors.is_cuda,  # compiled on GPU: never materializes the [Q, KV] mask
     )
 
 
