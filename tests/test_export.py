@@ -102,7 +102,8 @@ def test_export_cli_writes_bf16_by_default(tmp_path):
     src = _export_run(tmp_path / "run", tmp_path / "fp32")
     assert cli_main([str(src), "--out", str(tmp_path / "e")]) == 0
     with safe_open(str(tmp_path / "e" / "model.safetensors"), framework="pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        names = list(f.keys())
+        assert {f.get_tensor(k).dtype for k in names} == {torch.bfloat16}
         w = f.get_tensor("fc.weight")
     assert json.loads((tmp_path / "e" / "config.json").read_text())["dtype"] == "bfloat16"
     torch.testing.assert_close(w.float(), model.fc.weight.detach(), rtol=1e-2, atol=1e-3)
