@@ -308,7 +308,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     tf = teacher_forced_eval(model, cache, ids, max_blocks=cfg.eval.max_blocks)
     report: dict[str, Any] = asdict(tf)
     if args.live:
-        report["live"] = _run_live(model, cfg, cache)
+        report["live"] = run_live(model, cfg, cache)
     if args.json:
         print(json.dumps(report))
     else:
@@ -322,7 +322,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run_live(model: Any, cfg: Any, cache: Any) -> dict[str, Any]:
+def run_live(model: Any, cfg: Any, cache: Any) -> dict[str, Any]:
     from extract.builtin_text import builtin_prompts
     from extract.teacher import load_teacher
 

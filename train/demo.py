@@ -1,0 +1,131 @@
+"""``make demo``: the whole pipeline on the embedded default, end to end, on CPU.
+
+regenerate (the tiny teacher answers the built-in prompts) → extract (features into a zarr cache)
+→ train (the drafter, with checkpoints and TensorBoard logs) → eval (teacher-forced acceptance of the
+trained drafter next to an untrained one, and live speculative decoding with the teacher).
+
+Every stage runs through the same command-line entry points a user types; the figures land in
+``OUT/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_cache.entry import run_cli
+from dflash_cache.errors import DFlashError
+
+log = logging.getLogger("dflash.demo")
+
+
+class StageFailed(DFlashError):
+    """A pipeline stage returned a non-zero exit code."""
+
+
+def _stage(name: str, main: Any, argv: list[str]) -> None:
+    log.info("== %s: %s", name, " ".join(argv))
+    rc = main(argv)
+    if rc:
+        raise StageFailed(f"demo stage {name!r} failed with exit code {rc} (its error is printed above)")
+
+
+def _untrained_drafter(cfg: Any, cache: Any) -> Any:
+    from .model import build_drafter
+
+    torch.manual_seed(cfg.train.seed)  # the same initialisation the trainer starts from
+    return build_drafter(cfg.model, cache.spec, cache.load_head()).eval()
+
+
+def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Path, live: bool) -> dict[str, Any]:
+    """Held-out teacher-forced τ of the trained and an untrained drafter, and live τ of the trained one."""
+    from dflash_cache import open_cache
+    from dflash_cache.config import load_config
+
+    from .evaluate import holdout_sample_ids, load_for_eval, run_live, teacher_forced_eval
+
+    cfg = load_config(config, overrides)
+    cache = open_cache(cache_url)
+    ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction)
+    trained = load_for_eval(str(run_dir), cache, cfg.model.attention)
+    tf_trained = teacher_forced_eval(trained, cache, ids, max_blocks=cfg.eval.max_blocks)
+    tf_untrained = teacher_forced_eval(_untrained_drafter(cfg, cache), cache, ids, max_blocks=cfg.eval.max_blocks)
+    out: dict[str, Any] = {
+        "acceptance_length": tf_trained.acceptance_length,
+        "untrained_acceptance_length": tf_untrained.acceptance_length,
+        "per_position_accuracy": tf_trained.per_position_accuracy,
+        "heldout_samples": tf_trained.n_samples,
+        "heldout_blocks": tf_trained.n_blocks,
+    }
+    if live:
+        res = run_live(trained, cfg, cache)
+        out["live_acceptance_length"] = res["tau"]
+        out["live_tau_per_prompt"] = res["tau_per_prompt"]
+    return out
+
+
+def run_demo(out: Path, config: str = "configs/tiny.toml", overrides: Sequence[str] = (), live: bool = True,
+             fresh: bool = True) -> dict[str, Any]:
+    from extract.cli import main as extract_main
+
+    from .cli import main as train_main
+
+    if fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sets = [a for o in overrides for a in ("--set", o)]
+    regenerated, cache, run_dir = out / "regenerated.jsonl", out / "cache", out / "run"
+    t0 = time.perf_counter()
+    _stage("regenerate", extract_main, ["regenerate", config, "--out", str(regenerated), *sets])
+    _stage("extract", extract_main, [config, "--data", str(regenerated), "--out", str(cache), *sets])
+    _stage("train", train_main, [config, "--cache", str(cache), "--run-dir", str(run_dir), *sets])
+    log.info("== eval: held-out teacher-forced acceptance%s", " and live speculative decoding" if live else "")
+    summary = evaluate(config, overrides, str(cache), run_dir, live)
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    summary["run_dir"] = str(run_dir)
+    summary["cache"] = str(cache)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _print_summary(s: dict[str, Any], out: Path) -> None:
+    print()
+    print(f"acceptance length (held-out, teacher-forced): trained {s['acceptance_length']:.3f}"
+          f"  vs untrained {s['untrained_acceptance_length']:.3f}")
+    if "live_acceptance_length" in s:
+        print(f"live speculative decoding with the teacher:   tau {s['live_acceptance_length']:.3f}"
+              " (output identical to the teacher's greedy decoding)")
+    print(f"whole demo: {s['seconds']:.0f} s; figures in {out / 'summary.json'}")
+    print(f"TensorBoard:  tensorboard --logdir {s['run_dir']}")
+    print(f"Run report:   dflash-train report {s['run_dir']}")
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/demo", help="output directory (replaced unless --keep)")
+    p.add_argument("--config", default="configs/tiny.toml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no-live", action="store_true", help="skip live speculative decoding")
+    p.add_argument("--keep", action="store_true", help="resume into an existing --out instead of starting fresh")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    summary = run_demo(out, args.config, args.overrides, live=not args.no_live, fresh=not args.keep)
+    _print_summary(summary, out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
