@@ -243,17 +243,16 @@ def test_corrupt_part_errors_or_is_quarantined(tmp_path: Path) -> None:
 def test_live_mode_picks_up_a_part_committed_during_the_run(tmp_path: Path, caplog) -> None:
     url = str(tmp_path / "live")
     make_synthetic_cache(url, n_samples=40, seed=1)
-    done = threading.Event()
 
     def extract_more() -> None:
         time.sleep(0.5)
-        make_synthetic_cache(url, n_samples=30, seed=2, first_id=1000)
-        done.set()
+        more = make_synthetic_cache(url, n_samples=30, seed=2, first_id=1000)
+        more.write_metadata("extract_report", {"world_size": 1})  # what dflash-extract writes when done
 
     cfg = _cfg(live=True, live_poll_s=0.05, holdout_fraction=0.0)
     writer = threading.Thread(target=extract_more)
     caplog.set_level(logging.INFO, logger="train.loader")
-    with StreamingLoader(open_cache(url), cfg, seed=0, max_epochs=2, extraction_done=done.is_set) as loader:
+    with StreamingLoader(open_cache(url), cfg, seed=0, max_epochs=2) as loader:
         writer.start()
         first = list(loader)
         second = list(loader)

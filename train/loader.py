@@ -244,15 +244,13 @@ def collate(rows: Sequence[Sequence[SampleLike]], feature_dim: int, pin: bool = 
 
 
 def extraction_finished(cache: Any) -> bool:
-    """True when the extraction writing ``cache`` has marked itself finished."""
-    probe = getattr(cache, "extraction_finished", None)
-    if callable(probe):
-        return bool(probe())
+    """True once ``dflash-extract`` has finished writing ``cache``: its rank 0 writes the
+    ``extract_report`` metadata document after every rank's last commit."""
     try:
-        status = cache.read_metadata("extract_status")
-    except (FileNotFoundError, KeyError, CacheError):
+        cache.read_metadata("extract_report")
+    except CacheError:
         return False
-    return isinstance(status, dict) and bool(status.get("finished") or status.get("done"))
+    return True
 
 
 class StreamingLoader:
