@@ -430,7 +430,8 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
             model.train()
             res = train_step(step, micro, loss_module, optimizer, scheduler, guard, cfg.train, d)
             record = _step_record(res, micro, loader, guard, data_wait_ms)
-            if step % cfg.checkpoint.every_steps == 0 or step == total_steps or signals.signum:
+            stop_signal = signals.signum  # read once: a signal arriving later is handled next step
+            if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop_signal:
                 stats = ckpt.save(step, model.state_dict(),
                                   _training_state(step, optimizer, scheduler, loader, guard, cache))
                 record["ckpt_blocking_ms"] = stats.blocking_ms
@@ -447,8 +448,8 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
                 _log_skip(step, res, micro)
             if guard.should_stop:
                 _stop_on_skips(step, guard, ckpt, run_dir)
-            if signals.signum:
-                stopped_by = signal.Signals(signals.signum).name
+            if stop_signal:
+                stopped_by = signal.Signals(stop_signal).name
                 break
         ckpt.wait()
     finally:

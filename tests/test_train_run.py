@@ -1,0 +1,216 @@
+"""``dflash-train`` through the real command on a small synthetic cache (CPU).
+
+Covers: exact artifacts, resume exactness after SIGKILL (bitwise per-step losses), SIGKILL at
+random moments during saves, injected NaN / spike (bitwise unchanged state), too many skips
+(distinct exit code), SIGTERM, cache fingerprint mismatch, TensorBoard continuity, 2-process DDP.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.checkpoint import find_latest, list_checkpoints, read_checkpoint, validate_checkpoint
+from train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny.toml"
+# small batches keep each step (and so each subprocess run) cheap on 2 shared CPU cores
+BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",
+        "loader.tokens_per_batch=512", "train.num_anchors=16"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    from dflash_cache.synthetic import make_synthetic_cache
+
+    url = str(tmp_path_factory.mktemp("cache") / "cache")
+    make_synthetic_cache(url, n_samples=64, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),
+                         vocab_size=512, max_length=256, median_length=64, seed=0)
+    return url
+
+
+def _cmd(cache: str, run: Path, *overrides: str) -> list[str]:
+    sets = [a for o in [*BASE, *overrides] for a in ("--set", o)]
+    return [sys.executable, "-m", "train.cli", str(CONFIG), "--cache", cache, "--run-dir", str(run), *sets]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _run(cache: str, run: Path, *overrides: str, expect: int = 0, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_cmd(cache, run, *overrides), cwd=ROOT, env=_env(**env), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run)}
+
+
+def _tb_steps(run: Path, tag: str = "train/loss") -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def _wait_for(pred, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    t0 = time.time()
+    while not pred():
+        assert proc.poll() is None, f"training exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+        assert time.time() - t0 < timeout, "timed out waiting for the training subprocess"
+        time.sleep(0.01)
+
+
+def test_full_run_artifacts_then_sigkill_resume_is_bitwise_exact(cache, tmp_path):
+    straight = tmp_path / "straight"
+    _run(cache, straight, "train.max_steps=16", "checkpoint.every_steps=4")
+    ref = _losses(straight)
+    assert sorted(ref) == list(range(1, 17))
+    assert sorted(p.name for p in straight.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "tensorboard"]
+    assert [s for s, _ in list_checkpoints(straight)] == [12, 16]  # keep_last = 2
+    latest = read_checkpoint(find_latest(straight))
+    assert latest.step == 16 and latest.config["train"]["max_steps"] == 16
+    assert latest.manifest["cache_fingerprint"] and set(latest.state) >= {
+        "optimizer", "scheduler", "loader", "guard", "rng", "step"}
+
+    # same run, SIGKILLed once checkpoint 8 is committed, then resumed by rerunning the command
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(cache, run, "train.max_steps=16", "checkpoint.every_steps=4"), cwd=ROOT,
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (run / "checkpoints" / "step-00000008" / "manifest.json").exists(), proc)
+    proc.kill()
+    proc.wait()
+    killed_at = max(_losses(run))
+    assert killed_at < 16, "the run finished before it could be killed"
+    _run(cache, run, "train.max_steps=16", "checkpoint.every_steps=4")
+    resumed = _losses(run)
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 17))  # no gap, no duplicate
+    assert resumed == ref  # bitwise: floats from JSON compare exactly
+    assert sorted(_tb_steps(run)) == list(range(1, 17))
+
+
+def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(cache, tmp_path):
+    run = tmp_path / "run"
+    rng = random.Random(0)
+    overrides = ("train.max_steps=1000", "checkpoint.every_steps=2", "checkpoint.keep_last=2")
+    _run(cache, run, "train.max_steps=2", *overrides[1:])  # one committed checkpoint to fall back on
+    kills_mid_save = 0
+    for _ in range(10):
+        proc = subprocess.Popen(_cmd(cache, run, *overrides), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True,
+                                env=_env(DFLASH_TEST_CKPT_WRITE_DELAY_S="0.05"))
+        root = run / "checkpoints"
+        _wait_for(lambda root=root: root.is_dir() and any(p.suffix == ".tmp" for p in root.iterdir()), proc)
+        time.sleep(rng.uniform(0.0, 0.35))  # somewhere inside (or just after) the >= 0.25 s write
+        kills_mid_save += any(p.suffix == ".tmp" for p in root.iterdir())
+        proc.kill()
+        proc.wait()
+        committed = list_checkpoints(run)
+        for _, path in committed:  # anything renamed into place is complete
+            validate_checkpoint(path)
+        latest = read_checkpoint(find_latest(run))
+        assert latest.step == committed[-1][0] >= 2
+    assert kills_mid_save >= 5
+
+
+def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path):
+    run = tmp_path / "run"
+    _run(cache, run, "train.max_steps=10", "checkpoint.every_steps=1", "checkpoint.keep_last=20",
+         "train.inject_nan_steps=[5]", "train.inject_spike_steps=[9]", "guards.min_history=4")
+    recs = {r["step"]: r for r in read_metrics(run)}
+    assert sorted(recs) == list(range(1, 11))
+    assert recs[5]["skipped"] == 1 and recs[5]["skip_reason"] == "nonfinite_loss" and recs[5]["loss"] == "nan"
+    assert recs[9]["skipped"] == 1 and recs[9]["skip_reason"] == "grad_norm_spike"
+    assert recs[9]["loss"] > 1e5 and recs[9]["skipped_sample_ids"]
+    assert [s for s, r in recs.items() if r["skipped"]] == [5, 9]
+    assert recs[10]["skipped_total"] == 2
+    ckpts = dict(list_checkpoints(run))
+    for bad in (5, 9):
+        before, after = read_checkpoint(ckpts[bad - 1]), read_checkpoint(ckpts[bad])
+        for k in before.model:
+            assert torch.equal(before.model[k], after.model[k]), k
+        sa, sb = before.state["optimizer"]["state"], after.state["optimizer"]["state"]
+        for i in sa:
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(sa[i][name], sb[i][name]), (i, name)
+        assert before.state["scheduler"] == after.state["scheduler"]
+        assert after.state["guard"]["grad_norms"] == before.state["guard"]["grad_norms"]
+    # the step after a skip does change the weights
+    a, b = read_checkpoint(ckpts[5]), read_checkpoint(ckpts[6])
+    assert any(not torch.equal(a.model[k], b.model[k]) for k in a.model)
+
+
+def test_consecutive_skips_stop_with_distinct_exit_code(cache, tmp_path):
+    run = tmp_path / "run"
+    proc = _run(cache, run, "train.max_steps=20", "checkpoint.every_steps=2", "guards.max_consecutive_skips=3",
+                "train.inject_nan_steps=[5,6,7]", expect=3)
+    assert "3 consecutive steps were skipped" in proc.stderr
+    assert "step-00000004" in proc.stderr  # where the last good checkpoint is
+    assert max(_losses(run)) == 7
+
+
+def test_sigterm_saves_and_rerun_resumes(cache, tmp_path):
+    run = tmp_path / "run"
+    overrides = ("train.max_steps=1000", "checkpoint.every_steps=500")
+    proc = subprocess.Popen(_cmd(cache, run, *overrides), cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: len(read_metrics(run)) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = max(_losses(run))
+    assert find_latest(run).name == f"step-{last:08d}" and "Rerun the same command" in err
+    _run(cache, run, "train.max_steps=" + str(last + 2), "checkpoint.every_steps=500")
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, last + 3))
+
+
+def test_resume_on_another_cache_is_refused_unless_overridden(cache, tmp_path):
+    from dflash_cache.synthetic import make_synthetic_cache
+
+    other = str(tmp_path / "other")
+    make_synthetic_cache(other, n_samples=64, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),
+                         vocab_size=512, max_length=256, median_length=64, seed=0, codec="bf16-lz4")
+    run = tmp_path / "run"
+    _run(cache, run, "train.max_steps=2", "checkpoint.every_steps=2")
+    proc = _run(other, run, "train.max_steps=4", expect=2)
+    assert "codec" in proc.stderr and "ignore_fingerprint_mismatch" in proc.stderr
+    _run(other, run, "train.max_steps=4", "checkpoint.ignore_fingerprint_mismatch=true")
+    assert max(_losses(run)) == 4
+
+
+def test_ddp_two_gloo_processes_match_single_process(cache, tmp_path):
+    common = ("train.max_steps=3", "train.num_anchors=512", "checkpoint.every_steps=100")
+    single = tmp_path / "single"
+    _run(cache, single, *common, "train.grad_accum=2")
+    ddp = tmp_path / "ddp"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(29500 + os.getpid() % 1000)]
+    proc = subprocess.run([*torchrun, *_cmd(cache, ddp, *common)[1:]], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = read_metrics(single), read_metrics(ddp)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+    # one checkpoint, written once, with weights matching the single-process run
+    wa, wb = read_checkpoint(find_latest(single)).model, read_checkpoint(find_latest(ddp)).model
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+    shutil.rmtree(tmp_path)
