@@ -161,8 +161,11 @@ def format_report(rep: RunReport, run_dir: str | Path) -> str:
     blocking = [ms for _, ms in rep.saves]
     out.append(f"checkpoint saves: {len(rep.saves)}" + (
         f", blocking ms mean {sum(blocking) / len(blocking):.1f} max {max(blocking):.1f}" if blocking else ""))
-    for (step, ms), write in zip(rep.saves, [w for _, w in rep.commits] + [None] * len(rep.saves), strict=False):
-        out.append(f"  step {step}: blocked {ms:.1f} ms" + (f", written in {write:.2f} s" if write is not None else ""))
+    written = dict(rep.commits)
+    for step, ms in rep.saves:
+        write = written.get(step)
+        out.append(f"  step {step}: blocked {ms:.1f} ms" + (
+            f", written in {write:.2f} s" if write is not None else ", commit not logged (run ended or killed)"))
     out.append(f"epoch boundaries at steps: {_fmt_steps(rep.epoch_boundaries) or '-'}")
     out.append(_loader_line(rep))
     return "\n".join(out)
@@ -190,7 +193,7 @@ def _loader_line(rep: RunReport) -> str:
     if q:
         trend = q["last_third_mean"] - q["first_third_mean"]
         line += (f"; queue depth mean {q['mean']:.1f} (first third {q['first_third_mean']:.1f} -> last third "
-                 f"{q['last_third_mean']:.1f}{', draining: the loader is falling behind' if trend < -1 else ''})")
+                 f"{q['last_third_mean']:.1f}{', drained: the loader is falling behind' if trend < 0 and q['last_third_mean'] < 1 else ''})")
     return line
 
 
