@@ -8,15 +8,11 @@ from .parts import PartInfo
 from .reader import Sample
 from .spec import CODECS, FORMAT_VERSION, CacheSpec, TeacherInfo
 from .store import FeatureCache, create_cache, open_cache
+from .verify import VerifyReport, verify_cache
 from .writer import PartWriter
 
 __all__ = [
     "CODECS", "FORMAT_VERSION", "CacheIndex", "CacheSpec", "FeatureCache", "PartInfo", "PartWriter", "Sample",
-    "TeacherInfo", "create_cache", "open_cache", "verify_cache",
+    "TeacherInfo", "VerifyReport", "create_cache", "open_cache", "verify_cache",
 ]
 
-
-def verify_cache(url: str, **kwargs):  # noqa: ANN201 - re-exported lazily to keep imports light
-    from .verify import verify_cache as _verify
-
-    return _verify(url, **kwargs)

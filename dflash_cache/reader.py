@@ -22,6 +22,22 @@ from .parts import PartInfo
 from .storage import Storage
 
 _EMPTY = np.uint64(2**64 - 1)
+_scratch = threading.local()  # per-thread reusable buffers: fresh pages cost more than decoding here
+
+
+def _scratch_bytes(n: int) -> memoryview:
+    buf = getattr(_scratch, "bytes", None)
+    if buf is None or len(buf) < n:
+        buf = _scratch.bytes = bytearray(max(n, 1 << 20))
+    return memoryview(buf)[:n]
+
+
+def _scratch_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    n = int(np.prod(shape)) * dtype.itemsize
+    buf = getattr(_scratch, "chunk", None)
+    if buf is None or len(buf) < n:
+        buf = _scratch.chunk = bytearray(n)
+    return np.frombuffer(buf, dtype=np.uint8, count=n).view(dtype).reshape(shape)
 _SMALL_DECODER = ChunkDecoder(blosc=True, crc=True)
 _RAW_DECODER = ChunkDecoder(blosc=False, crc=True)
 
@@ -148,8 +164,12 @@ class ArrayReader:
         if (idx[:, 0] == _EMPTY).any():
             raise self._corrupt(f"shard {self.layout.chunk_key(shard)} lacks chunks that the commit record counts")
         lo, hi = int(idx[:, 0].min()), int((idx[:, 0] + idx[:, 1]).max())
-        blob = memoryview(self._get(self.layout.chunk_key(shard), lo, hi))
-        if len(blob) != hi - lo:
+        blob = _scratch_bytes(hi - lo)
+        try:
+            got = self.storage.read_into(self.layout.chunk_key(shard), lo, blob)
+        except FileNotFoundError:
+            raise self._corrupt(f"shard {self.layout.chunk_key(shard)} is missing") from None
+        if got != hi - lo:
             raise self._corrupt(f"shard {self.layout.chunk_key(shard)} is truncated")
         for i, k in enumerate(range(k0, k1 + 1)):
             off, n = int(idx[i, 0]) - lo, int(idx[i, 1])
@@ -163,7 +183,7 @@ class ArrayReader:
             if a == c0 and b == c1:  # whole chunk: decode in place
                 self.layout.decoder.decode_into(raw, out[a - start:b - start])
                 return
-            tmp = np.empty((c, *self.layout.row_shape), dtype=self.layout.dtype)
+            tmp = _scratch_array((c, *self.layout.row_shape), self.layout.dtype)
             self.layout.decoder.decode_into(raw, tmp)
         except ChecksumError as err:
             raise self._corrupt(f"chunk {k}: {err}") from None

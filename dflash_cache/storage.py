@@ -43,6 +43,12 @@ class Storage:
         """The last ``n`` bytes of ``key`` (fewer when the object is shorter)."""
         raise NotImplementedError
 
+    def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Read ``len(buf)`` bytes of ``key`` from ``start`` into ``buf``; returns the count read."""
+        data = self.get_range(key, start, start + len(buf))
+        buf[:len(data)] = data
+        return len(data)
+
     def exists(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -96,6 +102,13 @@ class LocalStorage(Storage):
         with open(self._p(key), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             return os.pread(f.fileno(), min(n, size), max(0, size - n))
+
+    def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        fd = os.open(self._p(key), os.O_RDONLY)
+        try:
+            return os.preadv(fd, [buf], start)
+        finally:
+            os.close(fd)
 
     def exists(self, key: str) -> bool:
         return self._p(key).exists()

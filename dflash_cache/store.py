@@ -125,7 +125,7 @@ class FeatureCache:
         """Keys (``buckets/<b>/<name>``) of part directories without a commit record."""
         return [part_key(b, n) for b, n in self._part_dirs() if not self.storage.exists(f"{part_key(b, n)}/{COMMIT}")]
 
-    def gc(self, min_age_s: float = 0.0, dry_run: bool = False) -> list[str]:
+    def gc(self, min_age_s: float = 3600.0, dry_run: bool = False) -> list[str]:
         """Remove uncommitted leftovers whose writer is gone. Returns the keys removed (or that would be).
 
         A leftover is kept when its writer is a live process on this host, or (other hosts) when its

@@ -263,3 +263,18 @@ def test_two_processes_write_one_cache(cache_dir):
     assert len(cache.index()) == 76
     metas = sorted(p.meta["rank"] for p in cache.parts() if "rank" in p.meta)
     assert metas == [0, 0, 0, 1, 1, 1]
+
+
+def test_info_json_has_exactly_the_documented_keys(cache_dir, capsys):
+    (cache_dir / "buckets/0/leftover").mkdir()
+    assert cli_main(["info", str(cache_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info) == {"n_samples", "n_tokens", "bytes_per_token", "raw_bytes_per_token", "buckets", "codec",
+                         "target_layer_ids", "fingerprint", "uncommitted_parts"}
+    assert info["n_samples"] == 40 and info["n_tokens"] == sum(40 + 3 * i for i in range(40))
+    assert info["raw_bytes_per_token"] == 2 * 3 * 64 and 0 < info["bytes_per_token"] < info["raw_bytes_per_token"]
+    assert [(b["lo"], b["hi"], b["n_samples"]) for b in info["buckets"]] == [(0, 64, 9), (64, 128, 21), (128, 512, 10)]
+    assert info["uncommitted_parts"] == ["buckets/0/leftover"]
+    assert info["fingerprint"] == open_cache(str(cache_dir)).spec.fingerprint
+    assert cli_main(["info", str(cache_dir)]) == 0
+    assert "uncommitted  1: buckets/0/leftover" in capsys.readouterr().out
