@@ -1,6 +1,7 @@
 """The teacher: loading (HF transformers) and feature capture with forward hooks.
 
-Layer id ``k`` is the output of decoder layer ``k``, i.e. HF ``hidden_states[k + 1]``. Hooks sit on
+Layer id ``k`` is the output of decoder layer ``k``, i.e. HF ``hidden_states[k + 1]`` (for the last
+layer, HF applies the final norm to ``hidden_states[-1]``; the capture is the layer output before it). Hooks sit on
 the chosen decoder layers only; by default the forward stops right after the deepest chosen layer,
 so neither the remaining layers nor the vocabulary logits are computed.
 """

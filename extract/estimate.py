@@ -1,0 +1,94 @@
+"""``dflash-extract estimate CONFIG``: sample and token counts after templating, and the projected cache
+size per codec, without loading the teacher's weights."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dflash_cache.buckets import bucket_of
+from dflash_cache.schema import PipelineConfig
+
+from .data import load_records
+from .progress import human_bytes
+from .run import load_run_config, min_loss_tokens, template_options
+from .teacher import load_teacher_config, load_tokenizer, resolve_layer_ids
+from .template import TokenizeStats, check_chat_template, prepare_samples
+
+# Stored bytes per raw bf16 byte of features (measured on activations with outlier channels);
+# fp8 adds one fp32 scale per token per layer.
+CODEC_RATIO = {"bf16-raw": 1.0, "bf16-zstd": 0.69, "bf16-lz4": 0.80, "fp8-e4m3": 0.5 * 0.87}
+SMALL_BYTES_PER_TOKEN = 5  # input_ids (int32) + loss_mask (bool), before compression
+
+
+@dataclass
+class Estimate:
+    stats: TokenizeStats
+    n_records: int
+    hidden_size: int
+    layer_ids: list[int]
+    bucket_samples: list[int]
+    bucket_tokens: list[int]
+    bytes_per_codec: dict[str, int] = field(default_factory=dict)
+
+    def lines(self, codec: str) -> list[str]:
+        s = self.stats
+        out = [
+            f"records: {self.n_records}; kept {s.n_samples} samples, {s.n_tokens} tokens "
+            f"({s.n_loss_tokens} loss tokens)",
+            f"skipped: {s.n_bad} bad, {s.n_too_few_loss} with too few loss tokens; truncated: {s.n_truncated}",
+            f"features: layers {self.layer_ids} x hidden {self.hidden_size} = "
+            f"{len(self.layer_ids) * self.hidden_size} values per token",
+            "buckets: " + ", ".join(f"{b}: {n} samples / {t} tokens"
+                                    for b, (n, t) in enumerate(zip(self.bucket_samples, self.bucket_tokens, strict=True))),
+            "projected cache size:",
+        ]
+        for name, n in self.bytes_per_codec.items():
+            out.append(f"  {name:10s} {human_bytes(n):>12s}{'   <- configured' if name == codec else ''}")
+        return out
+
+
+def projected_bytes(n_tokens: int, n_layers: int, hidden: int) -> dict[str, int]:
+    raw = n_tokens * n_layers * hidden * 2
+    out = {}
+    for codec, ratio in CODEC_RATIO.items():
+        extra = n_tokens * n_layers * 4 if codec == "fp8-e4m3" else 0
+        out[codec] = int(raw * ratio + extra + n_tokens * SMALL_BYTES_PER_TOKEN)
+    return out
+
+
+def estimate(cfg: PipelineConfig) -> Estimate:
+    """Tokenize the whole data set and project the cache size (no teacher forward, no weights)."""
+    tokenizer = load_tokenizer(cfg.teacher)
+    text_cfg = load_teacher_config(cfg.teacher)
+    layer_ids = resolve_layer_ids(cfg.cache, int(text_cfg.num_hidden_layers))
+    data = load_records(cfg.data.path, cfg.data.skip_bad)
+    if any(not r.pretokenized for r in data.records):
+        check_chat_template(tokenizer)
+    samples, stats = prepare_samples(data.records, tokenizer, template_options(cfg), cfg.data.max_length,
+                                     min_loss_tokens(cfg), skip_bad=cfg.data.skip_bad)
+    stats.n_bad += len(data.bad)
+    n_buckets = len(cfg.cache.bucket_edges) + 1
+    bs, bt = [0] * n_buckets, [0] * n_buckets
+    for s in samples:
+        b = bucket_of(cfg.cache.bucket_edges, cfg.data.max_length, s.length)
+        bs[b] += 1
+        bt[b] += s.length
+    hidden = int(text_cfg.hidden_size)
+    return Estimate(stats, data.n_total, hidden, layer_ids, bs, bt,
+                    projected_bytes(stats.n_tokens, len(layer_ids), hidden))
+
+
+def cli_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="dflash-extract estimate", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("--data", help="input data (overrides data.path)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--skip-bad", action="store_true")
+    args = p.parse_args(list(argv))
+    cfg = load_run_config(args.config, args.set, args.data, args.skip_bad)
+    est = estimate(cfg)
+    for line in est.lines(cfg.cache.codec):
+        print(line)
+    return 0

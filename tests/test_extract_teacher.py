@@ -1,0 +1,94 @@
+"""Teacher feature capture: hooks match output_hidden_states exactly and stop after the deepest layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_cache.errors import ConfigError
+from dflash_cache.schema import CacheConfig
+from extract.teacher import (
+    LayerCapture,
+    capture_features,
+    capture_features_and_argmax,
+    decoder_layers,
+    default_layer_ids,
+    resolve_layer_ids,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_teacher_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_teacher_dir).eval()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(6, 700, (3, 21), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0  # right padding
+    return ids, mask
+
+
+def test_default_layer_ids():
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_layer_ids(6, 3) == [1, 2, 3]
+    assert default_layer_ids(28, 1) == [1]
+    with pytest.raises(ConfigError, match="num_target_layers"):
+        default_layer_ids(6, 4)
+
+
+def test_captured_layer_k_equals_hidden_states_k_plus_1(model):
+    ids, mask = _batch()
+    layer_ids = [0, 2, 4]  # not 5: HF's last hidden state is after the final norm, a hook's is before
+    feats, logits = capture_features(model, ids, mask, layer_ids)
+    with torch.no_grad():
+        hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    h = model.config.hidden_size
+    assert feats.shape == (3, 21, len(layer_ids) * h)
+    assert logits is None
+    for i, k in enumerate(layer_ids):
+        assert torch.equal(feats[..., i * h:(i + 1) * h], hs[k + 1]), k
+
+
+def test_stops_after_deepest_layer_and_forms_no_logits(model):
+    ran = []
+    handles = [layer.register_forward_hook(lambda m, i, o, k=k: ran.append(k))
+               for k, layer in enumerate(decoder_layers(model))]
+    head_calls = []
+    handles.append(model.lm_head.register_forward_hook(lambda *a: head_calls.append(1)))
+    try:
+        ids, mask = _batch()
+        capture_features(model, ids, mask, [1, 2])
+        assert ran == [0, 1, 2] and head_calls == []
+        ran.clear()
+        _, logits = capture_features(model, ids, mask, [1, 2], with_logits=True)
+        assert ran == list(range(6)) and head_calls == [1]
+        assert torch.equal(logits, model(input_ids=ids, attention_mask=mask).logits)
+    finally:
+        for hd in handles:
+            hd.remove()
+
+
+def test_argmax_path_matches_full_logits(model):
+    ids, mask = _batch()
+    feats, argmax = capture_features_and_argmax(model, ids, mask, [1, 3])
+    ref_feats, logits = capture_features(model, ids, mask, [1, 3], with_logits=True)
+    assert torch.equal(feats, ref_feats)
+    assert torch.equal(argmax, logits.argmax(-1))
+
+
+def test_layer_capture_context_usage(model):
+    ids, mask = _batch()
+    with LayerCapture(model, [3]) as cap:
+        model(input_ids=ids, attention_mask=mask)  # stops early inside; the context swallows it
+    assert cap.features().shape == (3, 21, 128)
+
+
+def test_layer_ids_out_of_range_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"out of range .* 6 decoder layers"):
+        resolve_layer_ids(CacheConfig(target_layer_ids=[1, 6]), 6)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        resolve_layer_ids(CacheConfig(target_layer_ids=[3, 1]), 6)
