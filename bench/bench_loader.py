@@ -1,0 +1,206 @@
+"""Loader benchmark: plan padding, plan time, loader throughput vs one torch.save file per sample.
+
+All figures come from one run over the same synthetic cache: realistic long-tailed lengths
+(log-normal, 50-3000 tokens) and the 27B teacher's width (5 layers x 5120 = 51,200 B/token).
+
+    python bench/bench_loader.py [--tokens 40000] [--workdir /tmp/bench_loader]
+
+Prints a table and writes bench/results/bench_loader.json. The page cache is warm for every
+timed pass (one untimed pass first), so this measures the CPU cost of reading, not the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dflash_cache import create_cache, open_cache
+from dflash_cache.schema import LoaderConfig
+from dflash_cache.synthetic import make_synthetic_cache, synthetic_lengths
+from train.loader import StreamingLoader, collate
+from train.plan import PlanSettings, build_plan
+
+EDGES = (256, 512, 1024, 2048)
+TARGET_GBPS = 26_000 * 51_200 / 1e9  # 26 Ktok/s of 27B-teacher features
+
+
+def _lengths(n: int, seed: int) -> np.ndarray:
+    return synthetic_lengths(n, np.random.default_rng(seed), 50, 3000, 400)
+
+
+def random_batches_padding(lengths: np.ndarray, budget: int, seed: int) -> float:
+    """Random shuffle, then greedy pad-to-longest batches within the token budget."""
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    padded = real = 0
+    rows, longest = 0, 0
+    for n in lengths[order].tolist():
+        if (rows + 1) * max(longest, n) > budget:
+            padded += rows * longest
+            rows, longest = 0, 0
+        rows, longest, real = rows + 1, max(longest, n), real + n
+    padded += rows * longest
+    return 1 - real / padded
+
+
+def bench_plan(n: int, budget: int) -> dict:
+    lengths = _lengths(n, 0)
+    ids = np.arange(n, dtype=np.int64)
+    buckets = np.searchsorted(EDGES, lengths, side="left")
+    out = {"n_samples": n, "tokens_per_batch": budget, "random_shuffle_padding": random_batches_padding(lengths, budget, 0)}
+    for packing in (False, True):
+        s = PlanSettings(seed=0, tokens_per_batch=budget, packing=packing, row_tokens=4096 if packing else None)
+        t0 = time.perf_counter()
+        plan = build_plan(ids, lengths, buckets, s, epoch=0)
+        key = "packed" if packing else "padded"
+        out[f"plan_{key}_seconds"] = time.perf_counter() - t0
+        out[f"plan_{key}_padding"] = plan.stats.padding_fraction
+    return out
+
+
+def build_caches(work: Path, n_tokens: int) -> tuple[str, str, list[int]]:
+    lengths = _lengths(4 * n_tokens // 400, 1)
+    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), n_tokens)) + 1]
+    zstd = str(work / "cache-zstd")
+    cache = make_synthetic_cache(zstd, n_samples=len(lengths), lengths=lengths.tolist(), hidden_size=5120,
+                                 num_layers=64, target_layer_ids=(1, 16, 31, 46, 61), vocab_size=1024,
+                                 max_length=3072, bucket_edges=EDGES, chunk_tokens=256, shard_tokens=16384,
+                                 samples_per_part=64, with_head=False)
+    raw = str(work / "cache-raw")
+    copy = create_cache(raw, dataclasses.replace(cache.spec, codec="bf16-raw"), chunk_tokens=256, shard_tokens=16384)
+    for part in cache.parts():
+        with copy.part_writer(part.bucket, part.name) as w:
+            for s in cache.read_rows(part, range(part.n_samples)):
+                w.add(s.sample_id, s.input_ids, s.loss_mask, s.features)
+    return zstd, raw, lengths.tolist()
+
+
+def write_sample_files(cache_url: str, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    cache = open_cache(cache_url)
+    for part in cache.parts():
+        for s in cache.read_rows(part, range(part.n_samples)):
+            torch.save({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "features": s.features.clone()},
+                       out / f"{s.sample_id}.pt")
+
+
+class SampleFiles(Dataset):
+    def __init__(self, root: Path):
+        self.root = root
+
+    def __len__(self) -> int:
+        return len(list(self.root.iterdir()))
+
+    def __getitem__(self, sample_id: int) -> dict:
+        return torch.load(self.root / f"{sample_id}.pt", weights_only=True)
+
+
+def _pad_collate(items: list[dict]) -> dict:
+    return collate([[SimpleNamespace(**d)] for d in items], items[0]["features"].shape[1])
+
+
+def _loader_cfg(budget: int, readers: int) -> LoaderConfig:
+    return LoaderConfig(tokens_per_batch=budget, num_readers=readers, max_buffer_bytes=3 << 30, holdout_fraction=0)
+
+
+def time_loader(url: str, budget: int, readers: int, epochs: int) -> tuple[float, float]:
+    """(tokens/s, feature GB/s) over ``epochs`` timed epochs after one warm-up epoch."""
+    with StreamingLoader(open_cache(url), _loader_cfg(budget, readers), seed=0, max_epochs=epochs + 1) as loader:
+        list(loader)
+        t0, tokens, nbytes = time.perf_counter(), 0, 0
+        while loader.epoch < epochs + 1:
+            for b in loader:
+                tokens += b.n_tokens
+                nbytes += b.n_tokens * b.features.shape[-1] * 2
+        dt = time.perf_counter() - t0
+    return tokens / dt, nbytes / dt / 1e9
+
+
+def time_files(root: Path, url: str, budget: int, workers: int, epochs: int) -> tuple[float, float]:
+    """The same plan's batches read from per-sample torch.save files by a standard DataLoader."""
+    cache = open_cache(url)
+    idx = cache.index()
+    plan = build_plan(idx.sample_ids, idx.lengths, idx.buckets, PlanSettings(seed=0, tokens_per_batch=budget), epoch=0)
+    batches = [idx.sample_ids[b.positions].tolist() for b in plan.batches]
+    dim = cache.spec.feature_dim
+    dl = DataLoader(SampleFiles(root), batch_sampler=batches, num_workers=workers, collate_fn=_pad_collate,
+                    persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+    list(dl)
+    t0, tokens = time.perf_counter(), 0
+    for _ in range(epochs):
+        for b in dl:
+            tokens += int((b["doc_ids"] >= 0).sum())
+    dt = time.perf_counter() - t0
+    return tokens / dt, tokens * dim * 2 / dt / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=40_000, help="tokens in the synthetic cache")
+    ap.add_argument("--tokens-per-batch", type=int, default=8192)
+    ap.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration")
+    ap.add_argument("--workdir", default="/tmp/bench_loader")
+    ap.add_argument("--keep", action="store_true", help="keep the caches and files")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    res: dict = {"cpu_cores": os.cpu_count(), "bytes_per_token": 51_200, "target_gbps": TARGET_GBPS}
+    res["plan"] = bench_plan(100_000, 16_384)
+    t0 = time.perf_counter()
+    zstd, raw, lengths = build_caches(work, args.tokens)
+    write_sample_files(zstd, work / "files")
+    res["cache"] = {"samples": len(lengths), "tokens": int(sum(lengths)), "build_s": time.perf_counter() - t0,
+                    "zstd_bytes": _du(work / "cache-zstd"), "raw_bytes": _du(work / "cache-raw"),
+                    "files_bytes": _du(work / "files")}
+    runs = {}
+    for name, url in (("zstd", zstd), ("raw", raw)):
+        for readers in (1, 2):
+            runs[f"loader_{name}_{readers}r"] = time_loader(url, args.tokens_per_batch, readers, args.epochs)
+    for workers in (0, 2):
+        runs[f"files_dataloader_{workers}w"] = time_files(work / "files", zstd, args.tokens_per_batch, workers,
+                                                          args.epochs)
+    res["throughput"] = {k: {"tokens_per_s": v[0], "feature_gbps": v[1]} for k, v in runs.items()}
+    per_core = {k: runs[f"loader_{k}_1r"][1] for k in ("zstd", "raw")}
+    res["per_core_gbps"] = per_core
+    res["cores_for_target"] = {k: TARGET_GBPS / v for k, v in per_core.items()}
+    res["ratio_vs_files_2"] = {k: runs[f"loader_{k}_2r"][0] / runs["files_dataloader_2w"][0] for k in ("zstd", "raw")}
+    _print(res)
+    out = Path(__file__).parent / "results" / "bench_loader.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _print(res: dict) -> None:
+    p = res["plan"]
+    print(f"plan, {p['n_samples']} samples, {p['tokens_per_batch']} tokens/batch:")
+    print(f"  padding: random shuffle {p['random_shuffle_padding']:.1%}, plan padded {p['plan_padded_padding']:.2%}, "
+          f"plan packed {p['plan_packed_padding']:.2%}; plan time {p['plan_padded_seconds']:.2f} s / "
+          f"{p['plan_packed_seconds']:.2f} s")
+    c = res["cache"]
+    print(f"cache: {c['samples']} samples, {c['tokens']} tokens; zstd {c['zstd_bytes'] / 1e9:.2f} GB, "
+          f"raw {c['raw_bytes'] / 1e9:.2f} GB, per-sample files {c['files_bytes'] / 1e9:.2f} GB")
+    for k, v in res["throughput"].items():
+        print(f"  {k:24s} {v['tokens_per_s']:10.0f} tok/s  {v['feature_gbps']:6.2f} GB/s")
+    for k, v in res["per_core_gbps"].items():
+        print(f"per core ({k}): {v:.2f} GB/s -> {res['cores_for_target'][k]:.1f} cores for "
+              f"{res['target_gbps']:.2f} GB/s; vs files (2 workers) {res['ratio_vs_files_2'][k]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
