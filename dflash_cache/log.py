@@ -14,6 +14,21 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (test capture swaps it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; always follow sys.stderr
+        pass
+
+
 def setup_logging(level: int | str = logging.INFO, all_ranks: bool = False) -> None:
     """Configure the root logger once. Non-zero ranks log warnings and errors only."""
     if isinstance(level, str):
@@ -24,7 +39,7 @@ def setup_logging(level: int | str = logging.INFO, all_ranks: bool = False) -> N
     fmt = FORMAT if rank == 0 else f"[rank {rank}] {FORMAT}"
     root = logging.getLogger()
     root.handlers.clear()
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)
