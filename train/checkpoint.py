@@ -69,25 +69,31 @@ def step_dir_name(step: int) -> str:
 
 
 class _Snapshotter:
-    """Copies every tensor of a nested state to host memory; GPU copies go through pinned memory."""
+    """Copies every tensor of a nested state to host memory; GPU copies go through pinned memory.
 
-    def __init__(self) -> None:
+    ``pool`` holds the host buffers of the previous snapshot (free once its write finished):
+    reusing them avoids page-faulting (or pinning) gigabytes of fresh memory on every save.
+    """
+
+    def __init__(self, pool: dict[str, torch.Tensor] | None = None) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self.pool = pool if pool is not None else {}
         self._has_cuda = False
 
     def tensor(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        # a copy, always: the next optimizer step mutates parameters and moments in place
         t = t.detach()
-        if t.is_cuda:
-            self._has_cuda = True
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            dst.copy_(t, non_blocking=True)
-            return dst
-        # clone: the next optimizer step mutates parameters and moments in place
-        return t.clone(memory_format=torch.contiguous_format)
+        dst = self.pool.get(key)
+        if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        self._has_cuda |= t.is_cuda
+        dst.copy_(t, non_blocking=t.is_cuda)
+        self.tensors[key] = dst
+        return dst
 
     def encode(self, obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            self.tensors[path] = self.tensor(obj, path)
+            self.tensor(obj, path)
             return {"__tensor__": path}
         if isinstance(obj, np.ndarray):
             self.tensors[path] = torch.from_numpy(np.array(obj, copy=True))
@@ -145,13 +151,22 @@ def take_snapshot(
     state: Mapping[str, Any],
     config: dict[str, Any],
     cache_fingerprint: str | None,
+    pool: dict[str, torch.Tensor] | None = None,
 ) -> Snapshot:
-    """Copy ``model_state`` and the nested ``state`` to host memory (the training-thread part)."""
-    snap = _Snapshotter()
-    model = {k: snap.tensor(v, k) for k, v in model_state.items()}
+    """Copy ``model_state`` and the nested ``state`` to host memory (the training-thread part).
+
+    ``pool``: host buffers that may be overwritten (a previous snapshot whose write has finished)."""
+    snap = _Snapshotter(pool)
+    model = {k: snap.tensor(v, "model/" + k) for k, v in model_state.items()}
     state_json = snap.encode(dict(state), "state")
     snap.finish()
-    return Snapshot(step, model, state_json, snap.tensors, config, cache_fingerprint)
+    state_tensors = {k: v for k, v in snap.tensors.items() if not k.startswith("model/")}
+    return Snapshot(step, model, state_json, state_tensors, config, cache_fingerprint)
+
+
+def snapshot_buffers(snap: Snapshot) -> dict[str, torch.Tensor]:
+    """The host buffers of ``snap`` under their pool keys (for reuse by the next snapshot)."""
+    return {**{"model/" + k: v for k, v in snap.model.items()}, **snap.state_tensors}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,6 +386,7 @@ class Checkpointer:
         self._worker: _Worker | None = None
         self._completed: list[_Completed] = []
         self._lock = threading.Lock()
+        self._pool: dict[str, torch.Tensor] = {}
         self.last_saved_step: int | None = None
         if is_writer:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -383,9 +399,10 @@ class Checkpointer:
         t0 = time.perf_counter()
         if not self.is_writer:
             return SaveStats(step, 0.0, 0.0)
-        self._join()
+        self._join()  # the previous write has finished: its host buffers can be reused
         t_wait = time.perf_counter()
-        snap = take_snapshot(step, model_state, state, self.config, self.cache_fingerprint)
+        snap = take_snapshot(step, model_state, state, self.config, self.cache_fingerprint, pool=self._pool)
+        self._pool = snapshot_buffers(snap)
         worker = _Worker(step)
         worker.thread = threading.Thread(target=self._write, args=(snap, worker), name=f"ckpt-{step}", daemon=True)
         self._worker = worker

@@ -1,0 +1,154 @@
+"""Step time of the full trainer vs a bare forward/backward/clip/AdamW loop on the same batches.
+
+The full trainer is ``train.run.train`` (loader, guards, metrics to TensorBoard + JSONL every step,
+checkpoints every ``--ckpt-every`` steps, progress bar off); its per-step wall time comes from
+``metrics.jsonl`` (``step_time_s``). The bare loop runs the same model config on the batches the
+same loader yields, already in memory. "loop" is the trainer fed those in-memory batches (its own
+overhead: guards, metrics, checkpoints); "full" uses the streaming loader. Goal: <= 1.05.
+
+    .venv/bin/python bench/bench_trainer.py [--steps 40] [--config configs/tiny.toml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import train.run as run_mod
+from dflash_cache import open_cache
+from dflash_cache.config import load_config
+from dflash_cache.synthetic import make_synthetic_cache
+from train.metrics import read_metrics
+from train.objective import dflash_loss
+from train.run import DistInfo, autocast_context, batch_stream, build_loader, build_model, train
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+WARMUP = 3
+
+
+def bare_step_times(cfg, cache, batches: list) -> list[float]:
+    d = DistInfo()
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, cache, d.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.betas)
+    times = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        batch = batch.to(d.device)
+        with autocast_context(cfg.train, d.device):
+            out = dflash_loss(model, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.loss_gamma)
+            out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times[WARMUP:]
+
+
+class InMemoryLoader:
+    """The loader interface the trainer uses, over batches already read (isolates the loop's own cost)."""
+
+    def __init__(self, batches: list, epochs: int):
+        self.batches, self.epochs, self.epoch, self.last_stats = batches, epochs, 0, None
+
+    def epoch_lengths(self, epochs: int) -> list[int]:
+        return [len(self.batches)] * epochs
+
+    def __iter__(self):
+        yield from self.batches
+        self.epoch += 1
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+
+
+def collect_batches(cfg, cache, n: int) -> list:
+    loader = build_loader(cfg, cache, DistInfo())  # batches stay on the host; each loop moves them
+    out = []
+    for b in batch_stream(loader, cfg.train.epochs):
+        out.append(b)
+        if len(out) == n:
+            break
+    loader.close()
+    return out
+
+
+def full_step_times(cfg, url: str, run_dir: Path, batches: list | None) -> tuple[list[float], list[float]]:
+    """Per-step wall times of ``train()`` (and checkpoint blocking ms); ``batches``: in-memory loader."""
+    original = run_mod.build_loader
+    if batches is not None:
+        run_mod.build_loader = lambda cfg, cache, d: InMemoryLoader(batches, cfg.train.epochs)
+    try:
+        train(cfg, url, run_dir)
+    finally:
+        run_mod.build_loader = original
+    recs = read_metrics(run_dir)
+    return [r["step_time_s"] for r in recs][WARMUP:], [r["ckpt_blocking_ms"] for r in recs if "ckpt_blocking_ms" in r]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--cache", help="an existing cache (default: a synthetic one)")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size of the synthetic cache")
+    ap.add_argument("--vocab", type=int, default=512, help="vocabulary of the synthetic cache")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config overrides")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
+    try:
+        url = args.cache
+        if url is None:
+            url = str(tmp / "cache")
+            make_synthetic_cache(url, n_samples=256, hidden_size=args.hidden, num_layers=8,
+                                 target_layer_ids=(1, 3, 5), vocab_size=args.vocab, max_length=256, median_length=96)
+        overrides = [f"train.max_steps={args.steps}", f"checkpoint.every_steps={args.ckpt_every}",
+                     "metrics.progress_bar=false", "train.epochs=50"]
+        if args.cache is None:
+            overrides.append(f"model.mask_token_id={args.vocab - 1}")
+        overrides += args.overrides
+        cfg = load_config(args.config, overrides)
+        cache = open_cache(url)
+        batches = collect_batches(cfg, cache, args.steps)
+        # bare, loop-with-batches-in-memory, full (streaming loader), bare again: noise shows as bare drift
+        bare = bare_step_times(cfg, cache, batches)
+        loop, _ = full_step_times(cfg, url, tmp / "run_mem", batches)
+        full, saves = full_step_times(cfg, url, tmp / "run_full", None)
+        bare += bare_step_times(cfg, cache, batches)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    bare_med = statistics.median(bare)
+    res = {
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "steps_timed": len(full), "bare_step_s_median": bare_med,
+        "loop_step_s_median": statistics.median(loop), "full_step_s_median": statistics.median(full),
+        "loop_over_bare": statistics.median(loop) / bare_med,
+        "full_over_bare": statistics.median(full) / bare_med,
+        "ckpt_blocking_ms_mean": statistics.fmean(saves) if saves else 0.0, "goal": 1.05,
+        "note": "loop = the trainer with batches in memory; full = with the streaming loader, whose "
+        "reader threads share the CPU cores with compute when there is no GPU",
+    }
+    for k, v in res.items():
+        print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+    RESULTS.mkdir(exist_ok=True)
+    name = "bench_trainer.json" if res["device"] == "cpu" else f"bench_trainer_{res['device']}.json"
+    (RESULTS / name).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
