@@ -21,6 +21,7 @@ import torch
 from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
 from dflash_cache.config import config_to_dict, load_config
 from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache.log import process_rank
 from dflash_cache.schema import PipelineConfig
 
 from .batching import Batch, collate, plan_batches
@@ -169,6 +170,7 @@ class UnitRunner:
                  writer: BackgroundWriter, progress: ExtractProgress, report: ExtractReport):
         self.cfg, self.model, self.tokenizer, self.cache = cfg, model, tokenizer, cache
         self.layer_ids, self.writer, self.progress, self.report = layer_ids, writer, progress, report
+        self.rank, self.world = 0, 1
         self.device = teacher_device(model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
@@ -186,7 +188,7 @@ class UnitRunner:
         buckets = {s.sample_id: self.cache.bucket_of(s.length) for s in samples}
         unit_buckets = sorted(set(buckets.values()))
         meta = {"unit": unit, "unit_parts": len(unit_buckets), "unit_size": self.cfg.extract.unit_size,
-                "unit_stats": stats.as_dict()}
+                "unit_stats": stats.as_dict(), "rank": self.rank, "world_size": self.world}
         part = f"u{unit:07d}"
         for group in plan_batches(samples, self.cfg.extract.tokens_per_batch, self.cfg.extract.max_batch_size):
             todo = [s for s in group if buckets[s.sample_id] not in done_buckets]
@@ -275,6 +277,7 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: DistContext, show: bool, t_star
                                   samples=info.n_samples, committed_samples=info.n_samples,
                                   bytes=sum(int(a.get("stored_bytes", 0)) for a in info.arrays.values())))
     runner = UnitRunner(cfg, model, tokenizer, cache, layer_ids, writer, bar, report)
+    runner.rank, runner.world = ctx.rank, ctx.world
     log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world, len(mine),
              n_units, len(complete))
     try:
@@ -338,7 +341,7 @@ def cli_main(argv: Sequence[str]) -> int:
 
     hf_logging.disable_progress_bar()
     report = run_extraction(cfg, args.out, progress=not args.no_progress)
-    if DistContext.from_env().rank == 0:
+    if process_rank() == 0:
         print(f"extracted into {args.out}")
         for line in report.lines():
             print("  " + line)

@@ -1,0 +1,209 @@
+"""``dflash-extract`` through the real command: fresh cache, resume (SIGKILL, disk full, other process
+count), 2 gloo processes, bad outputs, fingerprint refusal, regenerate -> extract, estimate."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_cache import open_cache, verify_cache
+from extract.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 40
+
+
+def _args(teacher: Path, out: Path, *extra: str, n: int = N) -> list[str]:
+    return ["configs/tiny.toml", "--out", str(out), "--no-progress", "--set", f"teacher.path={teacher}",
+            "--set", f"data.path=builtin:tiny-chat?n={n}", "--set", "extract.unit_size=8",
+            "--set", "extract.tokens_per_batch=1024", *extra]
+
+
+def _run(teacher, out, *extra, **kw) -> int:
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return main(_args(teacher, out, *extra, **kw))
+    finally:
+        os.chdir(cwd)
+
+
+def _subprocess_cmd(teacher, out, nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "extract.cli", *_args(teacher, out)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "extract.cli", *_args(teacher, out)]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def snapshot(url) -> dict:
+    """Everything stored per sample, as bytes, plus each part's sample order."""
+    cache = open_cache(str(url))
+    idx = cache.index()
+    ids = sorted(idx.sample_ids.tolist())
+    assert len(ids) == len(set(ids)), "a sample was written twice"
+    out = {s.sample_id: (s.input_ids.numpy().tobytes(), s.loss_mask.numpy().tobytes(),
+                         s.features.view(torch.int16).numpy().tobytes()) for s in cache.read_samples(ids)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_teacher_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "cache"
+    assert _run(tiny_teacher_dir, out) == 0
+    return out, snapshot(out)
+
+
+def test_end_to_end_into_a_fresh_cache(tiny_teacher_dir, reference, capsys):
+    out, snap = reference
+    report = verify_cache(str(out))
+    assert report is not None
+    cache = open_cache(str(out))
+    assert sorted(snap) == list(range(N))  # the tiny set keeps every sample
+    assert cache.spec.target_layer_ids == (1, 2, 3) and cache.spec.teacher.hidden_size == 128
+    assert cache.read_metadata("config")["teacher"]["path"] == str(tiny_teacher_dir)
+    assert cache.read_metadata("extract_report")["samples_written"] == N
+    embed, head = cache.load_head()
+    assert embed.shape == (768, 128) and not torch.equal(embed, head)
+    assert {p.name for p in cache.parts()} == {f"u{u:07d}" for u in range(N // 8)}
+    # stored features are the teacher's layer outputs (bf16) for the sample's own tokens
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_teacher_dir)
+    s = cache.read_sample(7)
+    with torch.no_grad():
+        hs = model(s.input_ids[None], output_hidden_states=True).hidden_states
+    want = torch.cat([hs[k + 1][0] for k in (1, 2, 3)], -1).to(torch.bfloat16)
+    torch.testing.assert_close(s.features.float(), want.float(), atol=0.05, rtol=0.02)
+    # a rerun is a no-op
+    capsys.readouterr()
+    assert _run(tiny_teacher_dir, out) == 0
+    assert f"units: {N // 8} ({N // 8} already complete)" in capsys.readouterr().out
+    assert snapshot(out) == snap
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tiny_teacher_dir, reference, tmp_path):
+    out = tmp_path / "cache"
+    proc = subprocess.Popen(_subprocess_cmd(tiny_teacher_dir, out), cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(out.glob("buckets/*/*/writing.json")):  # first part started
+        time.sleep(0.01)
+    time.sleep(random.Random(0).uniform(0.0, 0.15))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    n_before = len(open_cache(str(out)).parts())
+    assert n_before < len(open_cache(str(reference[0])).parts()), "the kill landed after the run finished"
+    assert _run(tiny_teacher_dir, out) == 0
+    verify_cache(str(out))
+    assert open_cache(str(out)).uncommitted() == []
+    assert snapshot(out) == reference[1]
+
+
+def test_two_gloo_processes_write_disjoint_parts_covering_the_dataset(tiny_teacher_dir, reference, tmp_path):
+    out = tmp_path / "cache"
+    subprocess.run(_subprocess_cmd(tiny_teacher_dir, out, nproc=2), cwd=ROOT, env=_env(), check=True,
+                   capture_output=True, timeout=300)
+    cache = open_cache(str(out))
+    parts = cache.parts()
+    by_rank = {r: {int(p.meta["unit"]) for p in parts if p.meta["rank"] == r} for r in (0, 1)}
+    assert by_rank[0] == {0, 2, 4} and by_rank[1] == {1, 3}
+    assert all(p.meta["world_size"] == 2 for p in parts)
+    snap = snapshot(out)
+    assert sorted(snap) == sorted(reference[1])
+    for sid, (ids, mask, _feats) in snap.items():
+        assert (ids, mask) == reference[1][sid][:2]
+
+
+def test_disk_full_then_resume_with_two_processes(tiny_teacher_dir, reference, tmp_path, monkeypatch, capsys):
+    from dflash_cache import writer as writer_mod
+
+    real_flush, calls = writer_mod._ShardedArray.flush, []
+
+    def flaky_flush(self):
+        calls.append(1)
+        if len(calls) >= 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_flush(self)
+
+    out = tmp_path / "cache"
+    monkeypatch.setattr(writer_mod._ShardedArray, "flush", flaky_flush)
+    assert _run(tiny_teacher_dir, out) == 2
+    assert "disk full while writing part" in capsys.readouterr().err
+    monkeypatch.setattr(writer_mod._ShardedArray, "flush", real_flush)
+    cache = open_cache(str(out))
+    committed = {(p.bucket, p.name) for p in cache.parts()}
+    assert committed and verify_cache(str(out)) is not None
+    # resume with a different number of processes: every sample exactly once
+    subprocess.run(_subprocess_cmd(tiny_teacher_dir, out, nproc=2), cwd=ROOT, env=_env(), check=True,
+                   capture_output=True, timeout=300)
+    assert committed <= {(p.bucket, p.name) for p in open_cache(str(out)).parts()}
+    snap = snapshot(out)
+    assert sorted(snap) == sorted(reference[1])
+    for sid, (ids, mask, _feats) in snap.items():
+        assert (ids, mask) == reference[1][sid][:2]
+
+
+def test_fingerprint_mismatch_is_refused_naming_the_fields(tiny_teacher_dir, reference, capsys):
+    out, snap = reference
+    assert _run(tiny_teacher_dir, out, "--set", "cache.num_target_layers=2", "--set", "cache.codec=fp8-e4m3") == 2
+    err = capsys.readouterr().err
+    assert "target_layer_ids" in err and "codec" in err
+    assert snapshot(out) == snap
+
+
+def test_output_that_is_not_a_cache(tiny_teacher_dir, tmp_path, capsys):
+    out = tmp_path / "notacache"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    assert _run(tiny_teacher_dir, out) == 2
+    assert "not" in capsys.readouterr().err and (out / "precious.txt").read_text() == "keep me"
+
+
+def test_layer_ids_out_of_range(tiny_teacher_dir, tmp_path, capsys):
+    assert _run(tiny_teacher_dir, tmp_path / "c", "--set", "cache.target_layer_ids=[1, 9]") == 2
+    assert "out of range" in capsys.readouterr().err
+
+
+def test_regenerate_then_extract_and_estimate(tiny_teacher_dir, tmp_path, capsys):
+    import json
+
+    regen = tmp_path / "regen.jsonl"
+    base = ["configs/tiny.toml", "--set", f"teacher.path={tiny_teacher_dir}", "--set", "data.path=builtin:tiny-chat?n=6",
+            "--set", "regenerate.max_new_tokens=24"]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert main(["regenerate", *base, "--out", str(regen), "--no-progress"]) == 0
+        convs = [json.loads(line)["messages"] for line in regen.read_text().splitlines()]
+        assert len(convs) == 6
+        assert main(["regenerate", *base, "--out", str(tmp_path / "again.jsonl"), "--no-progress"]) == 0
+        assert (tmp_path / "again.jsonl").read_text() == regen.read_text()  # greedy is deterministic
+        capsys.readouterr()
+        assert main(["estimate", *base, "--data", str(regen)]) == 0
+        est = capsys.readouterr().out
+        out = tmp_path / "cache"
+        assert main([*base[:1], "--out", str(out), "--data", str(regen), "--no-progress", *base[1:]]) == 0
+    finally:
+        os.chdir(cwd)
+    cache = open_cache(str(out))
+    n = len(cache.index())
+    assert f"kept {n} samples" in est
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_teacher_dir)
+    s = cache.read_sample(0)
+    masked = tok.decode(s.input_ids[s.loss_mask].tolist())
+    assert convs[0][-1]["content"] in masked  # the teacher's own reply is what the loss covers
