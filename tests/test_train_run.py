@@ -21,6 +21,7 @@ import torch
 
 from train.checkpoint import find_latest, list_checkpoints, read_checkpoint, validate_checkpoint
 from train.metrics import read_metrics
+from train.model import read_weights_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"
@@ -86,6 +87,7 @@ def test_full_run_artifacts_then_sigkill_resume_is_bitwise_exact(cache, tmp_path
     assert [s for s, _ in list_checkpoints(straight)] == [12, 16]  # keep_last = 2
     latest = read_checkpoint(find_latest(straight))
     assert latest.step == 16 and latest.config["train"]["max_steps"] == 16
+    assert read_weights_config(latest.path / "model.safetensors").block_size == 8  # export needs no cache
     assert latest.manifest["cache_fingerprint"] and set(latest.state) >= {
         "optimizer", "scheduler", "loader", "guard", "rng", "step"}
 

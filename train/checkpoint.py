@@ -2,7 +2,8 @@
 
 Layout of one committed checkpoint (``RUN/checkpoints/step-00000120/``)::
 
-    model.safetensors   drafter state_dict (trainable + persistent weights; frozen head excluded)
+    model.safetensors   drafter state_dict (trainable + persistent weights; frozen head excluded);
+                        metadata: "step" and, from the trainer, "dflash_config" (the drafter config JSON)
     state.safetensors   every other tensor of the training state (optimizer moments, RNG states ...)
     state.json          the structure of the training state, tensors replaced by references
                         into state.safetensors (optimizer, scheduler, loader, rng, guard, step ...)
@@ -143,6 +144,7 @@ class Snapshot:
     state_tensors: dict[str, torch.Tensor]
     config: dict[str, Any]
     cache_fingerprint: str | None
+    model_metadata: dict[str, str] = field(default_factory=dict)  # safetensors metadata of model.safetensors
 
 
 def take_snapshot(
@@ -207,7 +209,7 @@ def write_checkpoint(root: Path, snap: Snapshot) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     blobs = {
-        MODEL_FILE: lambda: st_save(snap.model, metadata={"step": str(snap.step)}),
+        MODEL_FILE: lambda: st_save(snap.model, metadata={**snap.model_metadata, "step": str(snap.step)}),
         STATE_TENSORS_FILE: lambda: st_save(snap.state_tensors),
         STATE_JSON_FILE: lambda: _json_bytes(snap.state_json),
         CONFIG_FILE: lambda: _json_bytes(snap.config),
@@ -377,11 +379,13 @@ class Checkpointer:
         config: dict[str, Any] | None = None,
         cache_fingerprint: str | None = None,
         is_writer: bool = True,
+        model_metadata: dict[str, str] | None = None,
     ) -> None:
         self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.cfg = cfg
         self.config = config or {}
         self.cache_fingerprint = cache_fingerprint
+        self.model_metadata = dict(model_metadata or {})  # e.g. the drafter config, for export without a cache
         self.is_writer = is_writer
         self._worker: _Worker | None = None
         self._completed: list[_Completed] = []
@@ -402,6 +406,7 @@ class Checkpointer:
         self._join()  # the previous write has finished: its host buffers can be reused
         t_wait = time.perf_counter()
         snap = take_snapshot(step, model_state, state, self.config, self.cache_fingerprint, pool=self._pool)
+        snap.model_metadata = self.model_metadata
         self._pool = snapshot_buffers(snap)
         worker = _Worker(step)
         worker.thread = threading.Thread(target=self._write, args=(snap, worker), name=f"ckpt-{step}", daemon=True)

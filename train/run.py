@@ -102,6 +102,13 @@ def build_model(cfg: PipelineConfig, cache: Any, device: torch.device) -> nn.Mod
     return model
 
 
+def drafter_metadata(model: nn.Module) -> dict[str, str]:
+    """Stored in every checkpoint's model.safetensors: export needs no cache to rebuild the drafter."""
+    from .model import METADATA_KEY
+
+    return {METADATA_KEY: model.config.to_json()}
+
+
 def build_optimizer(train_cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay)
@@ -407,7 +414,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     guard = SpikeGuard(cfg.guards)
     resolved = config_to_dict(cfg)
     ckpt = Checkpointer(run_dir, cfg.checkpoint, config=resolved, cache_fingerprint=cache.spec.fingerprint,
-                        is_writer=d.is_main)
+                        is_writer=d.is_main, model_metadata=drafter_metadata(model))
     step = _resume(cfg, ckpt, cache, model, optimizer, scheduler, loader, guard)
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
