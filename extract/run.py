@@ -68,6 +68,7 @@ class ExtractReport:
     tokens_computed: int = 0
     forward_s: float = 0.0
     stall_s: float = 0.0
+    loop_s: float = 0.0  # the unit loop until the last part is committed (no loading/setup)
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -280,10 +281,12 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: DistContext, show: bool, t_star
     runner.rank, runner.world = ctx.rank, ctx.world
     log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world, len(mine),
              n_units, len(complete))
+    t_loop = time.perf_counter()
     try:
         for u in mine:
             runner.run_unit(u, by_unit.get(u, []), partial.get(u, set()))
         stats = writer.close()
+        report.loop_s = time.perf_counter() - t_loop
     except BaseException:
         writer.abort()
         raise
@@ -297,13 +300,13 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: DistContext, show: bool, t_star
 
 
 def _finish(ctx: DistContext, cache: Any, report: ExtractReport) -> ExtractReport:
-    own_wall, own_fwd = report.wall_s, report.forward_s
+    own_wall, own_fwd, own_loop = report.wall_s, report.forward_s, report.loop_s
     total = ctx.sum_counts(report.counts())
     for k, v in total.items():
         setattr(report, k, type(getattr(report, k))(v))
     report.units_total, report.units_skipped = int(total["units_total"] / ctx.world), int(
         total["units_skipped"] / ctx.world)
-    report.wall_s, report.forward_s = own_wall, own_fwd  # per-process times, not sums
+    report.wall_s, report.forward_s, report.loop_s = own_wall, own_fwd, own_loop  # per-process, not sums
     if ctx.rank == 0:
         cache.write_metadata("extract_report", {**report.counts(), "padding_fraction": report.padding_fraction,
                                                 "world_size": ctx.world})
