@@ -376,16 +376,37 @@ class TrainResult:
     stopped_by: str  # "done" | signal name
 
 
-def _training_state(step: int, optimizer, scheduler, loader, guard: SpikeGuard, cache: Any) -> dict[str, Any]:
+def _per_rank(value: Any, d: DistInfo) -> list[Any]:
+    """``value`` of every rank, indexed by rank (a collective: every rank calls it at the same step)."""
+    if not d.enabled:
+        return [value]
+    out: list[Any] = [None] * d.world_size
+    dist.all_gather_object(out, value)  # our own processes' small JSON-able states, not files
+    return out
+
+
+def _training_state(step: int, optimizer, scheduler, loader, guard: SpikeGuard, cache: Any,
+                    d: DistInfo) -> dict[str, Any]:
+    """Everything a resume needs; loader position and RNG are per rank (each rank reads its own slice)."""
     return {
         "step": step,
+        "world_size": d.world_size,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "loader": loader.state_dict(),
+        "loader": _per_rank(loader.state_dict(), d),
         "guard": guard.state_dict(),
-        "rng": rng_state(),
+        "rng": _per_rank(rng_state(), d),
         "cache_spec": cache.spec.to_dict(),
     }
+
+
+def _agreed_signal(signum: int | None, d: DistInfo) -> int | None:
+    """The stop signal, agreed by all ranks (a signal seen by any rank stops all at the same step)."""
+    if not d.enabled:
+        return signum
+    flag = torch.tensor([signum or 0], dtype=torch.int64, device=d.device)  # nccl needs it on the GPU
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) or None
 
 
 def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch] | None:
@@ -415,7 +436,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     resolved = config_to_dict(cfg)
     ckpt = Checkpointer(run_dir, cfg.checkpoint, config=resolved, cache_fingerprint=cache.spec.fingerprint,
                         is_writer=d.is_main, model_metadata=drafter_metadata(model))
-    step = _resume(cfg, ckpt, cache, model, optimizer, scheduler, loader, guard)
+    step = _resume(cfg, ckpt, cache, model, optimizer, scheduler, loader, guard, d)
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RESOLVED_CONFIG_FILE).write_text(json.dumps(resolved, indent=1))
@@ -437,10 +458,10 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
             model.train()
             res = train_step(step, micro, loss_module, optimizer, scheduler, guard, cfg.train, d)
             record = _step_record(res, micro, loader, guard, data_wait_ms)
-            stop_signal = signals.signum  # read once: a signal arriving later is handled next step
+            stop_signal = _agreed_signal(signals.signum, d)  # read once: a later signal counts next step
             if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop_signal:
                 stats = ckpt.save(step, model.state_dict(),
-                                  _training_state(step, optimizer, scheduler, loader, guard, cache))
+                                  _training_state(step, optimizer, scheduler, loader, guard, cache, d))
                 record["ckpt_blocking_ms"] = stats.blocking_ms
                 record["ckpt_saved_step"] = step
             for done_step, write_s in ckpt.pop_completed():
@@ -477,19 +498,26 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
 
 
 def _resume(cfg: PipelineConfig, ckpt: Checkpointer, cache: Any, model, optimizer, scheduler, loader,
-            guard: SpikeGuard) -> int:
+            guard: SpikeGuard, d: DistInfo) -> int:
     if not cfg.checkpoint.resume:
         return 0
     latest = ckpt.load_latest()
     if latest is None:
         return 0
     check_cache_compatible(latest, cache, cfg.checkpoint.ignore_fingerprint_mismatch)
+    saved_world = int(latest.state["world_size"])
+    if saved_world != d.world_size:
+        raise DFlashError(
+            f"checkpoint {latest.path} was written by a run with {saved_world} process(es), this run has "
+            f"{d.world_size}; each rank resumes its own slice of the plan, so resume with "
+            f"--nproc-per-node {saved_world} (or start a new --run-dir)"
+        )
     model.load_state_dict(latest.model)
     optimizer.load_state_dict(latest.state["optimizer"])
     scheduler.load_state_dict(latest.state["scheduler"])
-    loader.load_state_dict(latest.state["loader"])
+    loader.load_state_dict(latest.state["loader"][d.rank])
     guard.load_state_dict(latest.state["guard"])
-    set_rng_state(latest.state["rng"])
+    set_rng_state(latest.state["rng"][d.rank])
     log.info("resumed from %s (step %d)", latest.path, latest.step)
     return latest.step
 
