@@ -65,7 +65,8 @@ def bare_forward_s(cfg, layer_ids: list[int]) -> tuple[float, int, int]:
     for start in range(0, data.n_total, u):
         recs = [r for r in data.records if start <= r.sample_id < start + u]
         samples, _ = prepare_samples(recs, tok, template_options(cfg), cfg.data.max_length, min_loss_tokens(cfg))
-        for group in plan_batches(samples, cfg.extract.tokens_per_batch, cfg.extract.max_batch_size):
+        for group in plan_batches(samples, cfg.extract.tokens_per_batch, cfg.extract.max_batch_size,
+                                  cfg.extract.batch_overhead):
             b = collate(group, tok.pad_token_id)
             t0 = time.perf_counter()
             capture_features(model, b.input_ids, b.attention_mask, layer_ids)

@@ -71,6 +71,8 @@ class ExtractConfig(Section):
     max_inflight_bytes: int = Field(2 << 30, gt=0)  # device->host + write queue bound
     writer_threads: int = Field(2, gt=0)
     on_nonfinite: Literal["skip", "error"] = "skip"
+    # batch planning: each extra batch costs this fraction of tokens_per_batch (less padding vs fewer batches)
+    batch_overhead: float = Field(0.02, ge=0)
 
 
 class ModelConfig(Section):

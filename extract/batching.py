@@ -26,7 +26,7 @@ class Batch:
 
 
 def plan_batches(samples: Sequence[TokenizedSample], tokens_per_batch: int, max_batch_size: int,
-                 batch_overhead: float = 0.05) -> list[list[TokenizedSample]]:
+                 batch_overhead: float = 0.02) -> list[list[TokenizedSample]]:
     """Split samples (longest first, ties by id) into batches with ``rows * longest <= tokens_per_batch``.
 
     Contiguous runs of the sorted order are chosen by dynamic programming to minimise the computed

@@ -191,7 +191,8 @@ class UnitRunner:
         meta = {"unit": unit, "unit_parts": len(unit_buckets), "unit_size": self.cfg.extract.unit_size,
                 "unit_stats": stats.as_dict(), "rank": self.rank, "world_size": self.world}
         part = f"u{unit:07d}"
-        for group in plan_batches(samples, self.cfg.extract.tokens_per_batch, self.cfg.extract.max_batch_size):
+        for group in plan_batches(samples, self.cfg.extract.tokens_per_batch, self.cfg.extract.max_batch_size,
+                                  self.cfg.extract.batch_overhead):
             todo = [s for s in group if buckets[s.sample_id] not in done_buckets]
             if todo:  # batches are planned over the whole unit so a partial redo computes identical features
                 self.run_batch(collate(group, self.pad_id), buckets, done_buckets, part, meta)
