@@ -401,6 +401,7 @@ class Checkpointer:
     def save(self, step: int, model_state: Mapping[str, torch.Tensor], state: Mapping[str, Any]) -> SaveStats:
         """Snapshot now (blocking), write in the background. Waits for a save already in flight."""
         t0 = time.perf_counter()
+        self.last_saved_step = step  # on every rank, so that all ranks take the same save decisions
         if not self.is_writer:
             return SaveStats(step, 0.0, 0.0)
         self._join()  # the previous write has finished: its host buffers can be reused
@@ -412,7 +413,6 @@ class Checkpointer:
         worker.thread = threading.Thread(target=self._write, args=(snap, worker), name=f"ckpt-{step}", daemon=True)
         self._worker = worker
         worker.thread.start()
-        self.last_saved_step = step
         t1 = time.perf_counter()
         return SaveStats(step, (t1 - t0) * 1e3, (t_wait - t0) * 1e3)
 

@@ -436,7 +436,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     resolved = config_to_dict(cfg)
     ckpt = Checkpointer(run_dir, cfg.checkpoint, config=resolved, cache_fingerprint=cache.spec.fingerprint,
                         is_writer=d.is_main, model_metadata=drafter_metadata(model))
-    step = _resume(cfg, ckpt, cache, model, optimizer, scheduler, loader, guard, d)
+    step = start_step = _resume(cfg, ckpt, cache, model, optimizer, scheduler, loader, guard, d)
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RESOLVED_CONFIG_FILE).write_text(json.dumps(resolved, indent=1))
@@ -445,7 +445,13 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     signals = SignalFlag(cfg.checkpoint.save_on_signal)
     progress = _progress_bar(cfg, step, total_steps, d)
     batches = batch_stream(loader, cfg.train.epochs)
-    stopped_by = "done"
+    stopped_by, stop_signal = "done", None
+
+    def save(at_step: int) -> dict[str, Any]:
+        state = _training_state(at_step, optimizer, scheduler, loader, guard, cache, d)
+        stats = ckpt.save(at_step, model.state_dict(), state)
+        return {"ckpt_blocking_ms": stats.blocking_ms, "ckpt_saved_step": at_step}
+
     try:
         t_prev = time.perf_counter()
         while step < total_steps:
@@ -460,12 +466,8 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
             record = _step_record(res, micro, loader, guard, data_wait_ms)
             stop_signal = _agreed_signal(signals.signum, d)  # read once: a later signal counts next step
             if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop_signal:
-                stats = ckpt.save(step, model.state_dict(),
-                                  _training_state(step, optimizer, scheduler, loader, guard, cache, d))
-                record["ckpt_blocking_ms"] = stats.blocking_ms
-                record["ckpt_saved_step"] = step
-            for done_step, write_s in ckpt.pop_completed():
-                record["ckpt_write_s"], record["ckpt_committed_step"] = write_s, done_step
+                record.update(save(step))
+            record.update(_completed_saves(ckpt))
             now = time.perf_counter()
             record["step_time_s"] = now - t_prev
             record["tokens_per_s"] = record["n_tokens"] * d.world_size / max(now - t_prev, 1e-9)
@@ -479,6 +481,8 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
             if stop_signal:
                 stopped_by = signal.Signals(stop_signal).name
                 break
+        if step > start_step and ckpt.last_saved_step != step:  # the data ran out before total_steps
+            save(step)
         ckpt.wait()
     finally:
         signals.restore()
@@ -490,7 +494,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     if stopped_by != "done":
         raise TrainingInterrupted(
             f"stopped by {stopped_by} after step {step}; checkpoint saved in {run_dir / 'checkpoints'}. "
-            "Rerun the same command to resume.", signals.signum or signal.SIGTERM,
+            "Rerun the same command to resume.", stop_signal or signal.SIGTERM,
         )
     from .checkpoint import find_latest
 
@@ -520,6 +524,14 @@ def _resume(cfg: PipelineConfig, ckpt: Checkpointer, cache: Any, model, optimize
     set_rng_state(latest.state["rng"][d.rank])
     log.info("resumed from %s (step %d)", latest.path, latest.step)
     return latest.step
+
+
+def _completed_saves(ckpt: Checkpointer) -> dict[str, Any]:
+    """Background writes that finished since the last step (normally at most one)."""
+    out: dict[str, Any] = {}
+    for done_step, write_s in ckpt.pop_completed():
+        out["ckpt_write_s"], out["ckpt_committed_step"] = write_s, done_step
+    return out
 
 
 def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: SpikeGuard,
