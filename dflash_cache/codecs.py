@@ -15,8 +15,12 @@ so a flipped byte is caught on every read, not only by ``verify``.
 
 from __future__ import annotations
 
+import ctypes
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import google_crc32c
 import numcodecs.blosc
 import numpy as np
 import torch
@@ -145,11 +149,14 @@ def quantize_fp8(x: torch.Tensor, n_layers: int) -> tuple[torch.Tensor, torch.Te
 _FP8_LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # e4m3 bits -> value
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """(uint8 [T, n*H], float32 [T, n]) -> bf16 [T, n*H], in token blocks that stay in cache."""
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = 256,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """(uint8 [T, n*H], float32 [T, n]) -> bf16 [T, n*H], in token blocks that stay in cache.
+    Writes into ``out`` (bf16 [T, n*H]) when given."""
     t, d = q.shape
     n = scale.shape[1]
-    out = torch.empty(t, d, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(t, d, dtype=torch.bfloat16)
     qn, sn = q.numpy(), scale.numpy()
     for a in range(0, t, block):
         b = min(t, a + block)
@@ -159,6 +166,50 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = 256) -> to
 
 
 # ---- direct chunk decoding (the reader's hot path) ----------------------------------------------
+
+
+class _BloscLib:
+    """blosc's C entry points, called through ctypes so that the GIL is released while decoding and a
+    chunk can be decoded straight into any destination (including a slice of a batch buffer).
+
+    The symbols are those of the blosc library that numcodecs links in; where they are not exported
+    (another numcodecs build), :data:`BLOSC` is None and decoding goes through ``numcodecs.blosc``.
+    """
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        self.decompress = lib.blosc_decompress_ctx  # (src, dest, destsize, nthreads) -> bytes or < 0
+        self.decompress.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.decompress.restype = ctypes.c_int
+        self.getitem = lib.blosc_getitem  # (src, start item, n items, dest) -> bytes or < 0
+        self.getitem.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        self.getitem.restype = ctypes.c_int
+
+
+def _load_blosc() -> _BloscLib | None:
+    if os.environ.get("DFLASH_CACHE_CTYPES_BLOSC", "1") == "0":
+        return None
+    try:
+        return _BloscLib(numcodecs.blosc.__file__)
+    except (OSError, AttributeError):
+        return None
+
+
+BLOSC = _load_blosc()
+_BLOSC_HEADER = 16
+
+
+def _address(buf: np.ndarray) -> int:
+    return buf.ctypes.data
+
+
+def blosc_header(body: np.ndarray) -> tuple[int, int, int]:
+    """(decoded bytes, encoded bytes, typesize) from a blosc chunk's 16-byte header."""
+    if body.nbytes < _BLOSC_HEADER:
+        raise ChecksumError(f"chunk is {body.nbytes} bytes, shorter than a blosc header")
+    head = body[:_BLOSC_HEADER]
+    return (int.from_bytes(head[4:8].tobytes(), "little"), int.from_bytes(head[12:16].tobytes(), "little"),
+            int(head[3]))
 
 
 @dataclass(frozen=True)
@@ -176,42 +227,92 @@ class ChunkDecoder:
             raise ValueError(f"unsupported codecs {sorted(unknown)} in the array metadata")
         return cls(blosc="blosc" in names, crc="crc32c" in names)
 
-    def payload(self, raw: bytes | memoryview) -> memoryview:
-        """Check the crc32c (raises :class:`ChecksumError`) and return the encoded bytes."""
-        mv = memoryview(raw)
+    def payload(self, raw: bytes | memoryview | np.ndarray) -> np.ndarray:
+        """Check the crc32c (raises :class:`ChecksumError`) and return the encoded bytes (uint8, no copy)."""
+        mv = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
         if not self.crc:
             return mv
-        if len(mv) < 4:
-            raise ChecksumError(f"chunk is {len(mv)} bytes, too short to hold its checksum")
-        body, stored = mv[:-4], int.from_bytes(mv[-4:], "little")
+        if mv.nbytes < 4:
+            raise ChecksumError(f"chunk is {mv.nbytes} bytes, too short to hold its checksum")
+        body, stored = mv[:-4], int.from_bytes(mv[-4:].tobytes(), "little")
         if crc32c(body) != stored:
             raise ChecksumError("chunk checksum mismatch (stored crc32c differs from the data)")
         return body
 
-    def decode_into(self, raw: bytes | memoryview, out: np.ndarray) -> None:
+    def decode_into(self, raw: bytes | memoryview | np.ndarray, out: np.ndarray) -> None:
         """Decode into a C-contiguous array of exactly the chunk's size."""
-        body = self.payload(raw)
         dest = out.reshape(-1).view(np.uint8)
-        if self.blosc:
-            try:
-                numcodecs.blosc.decompress(body, dest)
-            except (RuntimeError, ValueError) as err:
-                raise ChecksumError(f"chunk fails to decompress ({err})") from None
-        else:
-            if len(body) != dest.nbytes:
-                raise ChecksumError(f"chunk holds {len(body)} bytes, expected {dest.nbytes}")
-            dest[:] = np.frombuffer(body, dtype=np.uint8)
+        self.decode_range_into(raw, dest, 0, dest.nbytes)
+
+    def decode_range_into(self, raw: bytes | memoryview | np.ndarray, dest: np.ndarray, start: int,
+                          chunk_nbytes: int) -> None:
+        """Decode bytes ``[start, start + dest.nbytes)`` of a chunk that decodes to ``chunk_nbytes`` bytes
+        into ``dest`` (C-contiguous uint8). Only the blosc blocks that overlap the range are decoded."""
+        body = self.payload(raw)
+        n = dest.nbytes
+        if not 0 <= start <= start + n <= chunk_nbytes:
+            raise ValueError(f"byte range [{start}, {start + n}) outside a chunk of {chunk_nbytes} bytes")
+        if not self.blosc:
+            if body.nbytes != chunk_nbytes:
+                raise ChecksumError(f"chunk holds {body.nbytes} bytes, expected {chunk_nbytes}")
+            dest[:] = body[start:start + n]
+            return
+        nbytes, cbytes, typesize = blosc_header(body)
+        if nbytes != chunk_nbytes or cbytes != body.nbytes or typesize < 1:
+            raise ChecksumError(f"chunk header says {nbytes} bytes decoded from {cbytes} (typesize {typesize}); "
+                                f"expected {chunk_nbytes} from {body.nbytes}")
+        if BLOSC is None or (n != chunk_nbytes and (start % typesize or n % typesize)):
+            _decode_numcodecs(body, dest, start, chunk_nbytes)
+        elif n == chunk_nbytes:
+            got = BLOSC.decompress(_address(body), _address(dest), n, 1)
+            if got != n:
+                raise ChecksumError(f"chunk fails to decompress (blosc returned {got}, expected {n})")
+        elif n:
+            got = BLOSC.getitem(_address(body), start // typesize, n // typesize, _address(dest))
+            if got != n:
+                raise ChecksumError(f"chunk fails to decompress (blosc returned {got}, expected {n})")
+
+
+def _decode_numcodecs(body: np.ndarray, dest: np.ndarray, start: int, chunk_nbytes: int) -> None:
+    """The portable path: numcodecs decodes the whole chunk (into ``dest`` when it is the whole chunk)."""
+    whole = dest if dest.nbytes == chunk_nbytes else np.empty(chunk_nbytes, np.uint8)
+    try:
+        numcodecs.blosc.decompress(body, whole)
+    except (RuntimeError, ValueError) as err:
+        raise ChecksumError(f"chunk fails to decompress ({err})") from None
+    if whole is not dest:
+        dest[:] = whole[start:start + dest.nbytes]
 
 
 class ChecksumError(ValueError):
     """A stored chunk is not what was written (caught and re-raised as CacheCorruptError)."""
 
 
-def crc32c(data: bytes | memoryview | np.ndarray, value: int = 0) -> int:
-    import google_crc32c
+def _crc_google(data: np.ndarray, value: int) -> int:
+    return google_crc32c.extend(value, data)
 
+
+def _load_crc() -> tuple[str, Callable[[np.ndarray, int], int]]:
+    """The fastest crc32c at hand: the ``crc32c`` package (SSE4.2/ARMv8, releases the GIL) when installed
+    (the ``fast`` extra), else ``google-crc32c``. Both compute the same Castagnoli CRC."""
+    if os.environ.get("DFLASH_CACHE_CRC", "") != "google":
+        try:
+            import crc32c as _fast
+
+            if getattr(_fast, "hardware_based", False):
+                return "crc32c", lambda data, value: _fast.crc32c(data, value)
+        except ImportError:
+            pass
+    return "google-crc32c", _crc_google
+
+
+CRC_IMPL, _crc = _load_crc()
+
+
+def crc32c(data: bytes | memoryview | np.ndarray, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``, continuing from ``value``."""
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     elif isinstance(data, memoryview):
-        data = np.frombuffer(data, dtype=np.uint8)  # the C extension takes arrays and bytes, not views
-    return google_crc32c.extend(value, data)
+        data = np.frombuffer(data, dtype=np.uint8)  # the C extensions take arrays and bytes, not views
+    return _crc(data, value)

@@ -1,9 +1,12 @@
 """Reading committed parts: the index from small arrays, and samples decoded straight from shard bytes.
 
-The hot path does not go through zarr-python: it reads a shard's index (cached), fetches the byte
-range of the inner chunks a request needs in one read, checks each chunk's crc32c and decodes it
-with blosc directly into the output buffer. The layout it reads is plain zarr v3 (sharding codec,
-``bytes`` -> ``blosc`` -> ``crc32c``), so any zarr implementation can read the same cache.
+The hot path does not go through zarr-python: it reads a shard's index (cached), reads each inner
+chunk a request needs into a per-thread buffer, checks its crc32c while it is still in the CPU cache
+and decodes it with blosc (GIL released) straight into the destination -- a fresh array, or the
+caller's buffer (``read_tokens_into``, ``read_rows(out=...)``: e.g. a slice of a reused batch
+tensor). Of a chunk that a request covers only in part, only the blosc blocks it overlaps are
+decoded. The layout it reads is plain zarr v3 (sharding codec, ``bytes`` -> ``blosc`` -> ``crc32c``),
+so any zarr implementation can read the same cache.
 """
 
 from __future__ import annotations
@@ -25,19 +28,15 @@ _EMPTY = np.uint64(2**64 - 1)
 _scratch = threading.local()  # per-thread reusable buffers: fresh pages cost more than decoding here
 
 
-def _scratch_bytes(n: int) -> memoryview:
-    buf = getattr(_scratch, "bytes", None)
-    if buf is None or len(buf) < n:
-        buf = _scratch.bytes = bytearray(max(n, 1 << 20))
-    return memoryview(buf)[:n]
+def _scratch_buffer(name: str, n: int) -> np.ndarray:
+    """A per-thread reusable uint8 buffer of ``n`` bytes (grown, never shrunk)."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.nbytes < n:
+        buf = np.empty(max(n, 1 << 20), dtype=np.uint8)
+        setattr(_scratch, name, buf)
+    return buf[:n]
 
 
-def _scratch_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    n = int(np.prod(shape)) * dtype.itemsize
-    buf = getattr(_scratch, "chunk", None)
-    if buf is None or len(buf) < n:
-        buf = _scratch.chunk = bytearray(n)
-    return np.frombuffer(buf, dtype=np.uint8, count=n).view(dtype).reshape(shape)
 _SMALL_DECODER = ChunkDecoder(blosc=True, crc=True)
 _RAW_DECODER = ChunkDecoder(blosc=False, crc=True)
 
@@ -138,56 +137,91 @@ class ArrayReader:
     def read(self, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` as a new C-contiguous array."""
         lay = self.layout
-        out = np.empty((stop - start, *lay.row_shape), dtype=lay.dtype)
+        out = np.empty((max(stop - start, 0), *lay.row_shape), dtype=lay.dtype)
+        self.read_into(start, stop, out)
+        return out
+
+    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Decode rows ``[start, stop)`` into ``out``: C-contiguous, ``[stop-start, *row_shape]``, an
+        element size equal to the array's (its bytes are written as stored)."""
+        lay = self.layout
+        want = (max(stop - start, 0), *lay.row_shape)
+        if tuple(out.shape) != want or out.dtype.itemsize != lay.dtype.itemsize or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {lay.dtype.itemsize}-byte array of shape {list(want)}, "
+                             f"got {out.dtype} {list(out.shape)} (contiguous: {out.flags.c_contiguous})")
         if stop <= start:
-            return out
+            return
         if not (start >= 0 and stop <= lay.shape[0]):
             raise IndexError(f"rows [{start}, {stop}) outside {lay.key} with {lay.shape[0]} rows")
+        dest = out.reshape(-1).view(np.uint8)
         c = lay.chunk_rows
         first, last = start // c, (stop - 1) // c
         if lay.shard_rows is None:
             for k in range(first, last + 1):
-                self._decode_chunk(self._get(lay.chunk_key(k)), k, start, stop, out)
-            return out
+                raw = np.frombuffer(self._get(lay.chunk_key(k)), dtype=np.uint8)
+                self._decode(raw, k, start, stop, dest)
+            return
         per_shard = lay.shard_rows // c
         k = first
         while k <= last:
             shard = k // per_shard
             k_end = min(last, (shard + 1) * per_shard - 1)
-            self._read_shard_run(shard, k, k_end, start, stop, out)
+            self._read_shard_run(shard, k, k_end, start, stop, dest)
             k = k_end + 1
-        return out
 
-    def _read_shard_run(self, shard: int, k0: int, k1: int, start: int, stop: int, out: np.ndarray) -> None:
-        per_shard = self.layout.shard_rows // self.layout.chunk_rows  # type: ignore[operator]
+    def _row_bytes(self) -> int:
+        return int(np.prod(self.layout.row_shape, dtype=np.int64)) * self.layout.dtype.itemsize
+
+    def _read_shard_run(self, shard: int, k0: int, k1: int, start: int, stop: int, dest: np.ndarray) -> None:
+        lay = self.layout
+        per_shard = lay.shard_rows // lay.chunk_rows  # type: ignore[operator]
         idx = self.shard_index(shard)[k0 - shard * per_shard: k1 - shard * per_shard + 1]
+        key = lay.chunk_key(shard)
         if (idx[:, 0] == _EMPTY).any():
-            raise self._corrupt(f"shard {self.layout.chunk_key(shard)} lacks chunks that the commit record counts")
+            raise self._corrupt(f"shard {key} lacks chunks that the commit record counts")
         lo, hi = int(idx[:, 0].min()), int((idx[:, 0] + idx[:, 1]).max())
-        blob = _scratch_bytes(hi - lo)
         try:
-            got = self.storage.read_into(self.layout.chunk_key(shard), lo, blob)
+            with self.storage.open_range(key, lo, hi) as f:
+                for i, k in enumerate(range(k0, k1 + 1)):
+                    off, n = int(idx[i, 0]), int(idx[i, 1])
+                    if not lay.decoder.blosc and lay.decoder.crc:
+                        self._read_raw_chunk(f, off, n, k, start, stop, dest)
+                        continue
+                    buf = _scratch_buffer("chunk", n)  # read one chunk, check and decode it while cache-hot
+                    if f.read_into(off, [memoryview(buf)]) != n:
+                        raise self._corrupt(f"shard {key} is truncated")
+                    self._decode(buf, k, start, stop, dest)
         except FileNotFoundError:
-            raise self._corrupt(f"shard {self.layout.chunk_key(shard)} is missing") from None
-        if got != hi - lo:
-            raise self._corrupt(f"shard {self.layout.chunk_key(shard)} is truncated")
-        for i, k in enumerate(range(k0, k1 + 1)):
-            off, n = int(idx[i, 0]) - lo, int(idx[i, 1])
-            self._decode_chunk(blob[off:off + n], k, start, stop, out)
+            raise self._corrupt(f"shard {key} is missing") from None
 
-    def _decode_chunk(self, raw: bytes | memoryview, k: int, start: int, stop: int, out: np.ndarray) -> None:
-        c = self.layout.chunk_rows
-        c0, c1 = k * c, (k + 1) * c
-        a, b = max(c0, start), min(c1, stop)
+    def _span(self, k: int, start: int, stop: int) -> tuple[int, int, int]:
+        """(byte offset in chunk k, byte offset in the destination, byte count) of the requested rows."""
+        c, rb = self.layout.chunk_rows, self._row_bytes()
+        a, b = max(k * c, start), min((k + 1) * c, stop)
+        return (a - k * c) * rb, (a - start) * rb, (b - a) * rb
+
+    def _decode(self, raw: np.ndarray, k: int, start: int, stop: int, dest: np.ndarray) -> None:
+        in_chunk, at, n = self._span(k, start, stop)
         try:
-            if a == c0 and b == c1:  # whole chunk: decode in place
-                self.layout.decoder.decode_into(raw, out[a - start:b - start])
-                return
-            tmp = _scratch_array((c, *self.layout.row_shape), self.layout.dtype)
-            self.layout.decoder.decode_into(raw, tmp)
+            self.layout.decoder.decode_range_into(raw, dest[at:at + n], in_chunk,
+                                                  self.layout.chunk_rows * self._row_bytes())
         except ChecksumError as err:
             raise self._corrupt(f"chunk {k}: {err}") from None
-        out[a - start:b - start] = tmp[a - c0:b - c0]
+
+    def _read_raw_chunk(self, f, off: int, n: int, k: int, start: int, stop: int, dest: np.ndarray) -> None:
+        """An uncompressed chunk: its requested rows are read straight into ``dest`` (no copy), the rest
+        of the chunk into scratch, and the crc32c runs over all of it in order."""
+        in_chunk, at, count = self._span(k, start, stop)
+        chunk_bytes = self.layout.chunk_rows * self._row_bytes()
+        if n != chunk_bytes + 4:
+            raise self._corrupt(f"chunk {k}: holds {n} bytes, expected {chunk_bytes + 4}")
+        rest = _scratch_buffer("chunk", n - count)
+        head, tail = rest[:in_chunk], rest[in_chunk:]
+        if f.read_into(off, [memoryview(head), memoryview(dest[at:at + count]), memoryview(tail)]) != n:
+            raise self._corrupt(f"shard {self.layout.chunk_key(k)} is truncated")
+        crc = crc32c(tail[:-4], crc32c(dest[at:at + count], crc32c(head)))
+        if crc != int.from_bytes(tail[-4:].tobytes(), "little"):
+            raise self._corrupt(f"chunk {k}: chunk checksum mismatch (stored crc32c differs from the data)")
 
 
 class PartReader:
@@ -206,31 +240,53 @@ class PartReader:
             self._small[name] = arr
         return arr
 
+    def span(self, row: int) -> tuple[int, int]:
+        """Token range ``[start, stop)`` of the sample at position ``row`` of this part."""
+        offsets = self.small("offsets")
+        return int(offsets[row]), int(offsets[row + 1])
+
     def read_tokens(self, start: int, stop: int) -> torch.Tensor:
         """Features of tokens ``[start, stop)`` of this part as bf16 ``[stop-start, n*H]``."""
-        q = self.readers["features"].read(start, stop)
-        if self.part.codec == "fp8-e4m3":
-            s = self.readers["scales"].read(start, stop)
-            return dequantize_fp8(torch.from_numpy(q), torch.from_numpy(s))
-        return u16_to_bf16(q)
+        out = u16_to_bf16(np.empty((max(stop - start, 0), self.layouts["features"].shape[1]), dtype=np.uint16))
+        return self.read_tokens_into(start, stop, out)  # numpy memory: large arrays get huge pages
 
-    def read_rows(self, rows: Sequence[int]) -> list[Sample]:
-        """Samples at positions ``rows`` of this part, in that order."""
-        offsets = self.small("offsets")
+    def read_tokens_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Decode the features of tokens ``[start, stop)`` straight into ``out`` (a contiguous CPU bf16
+        tensor ``[stop-start, n*H]``, e.g. a slice of a batch buffer); returns ``out``."""
+        d = self.layouts["features"].shape[1]
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != (stop - start, d) or not out.is_contiguous() \
+                or out.device.type != "cpu":
+            raise ValueError(f"out must be a contiguous CPU bfloat16 tensor [{stop - start}, {d}], got "
+                             f"{out.dtype} {list(out.shape)} on {out.device}")
+        if self.part.codec == "fp8-e4m3":
+            q = _scratch_buffer("fp8", (stop - start) * d).reshape(stop - start, d)
+            self.readers["features"].read_into(start, stop, q)
+            s = self.readers["scales"].read(start, stop)
+            dequantize_fp8(torch.from_numpy(q), torch.from_numpy(s), out=out)
+            return out
+        self.readers["features"].read_into(start, stop, out.view(torch.int16).numpy())
+        return out
+
+    def read_rows(self, rows: Sequence[int], out: Sequence[torch.Tensor] | None = None) -> list[Sample]:
+        """Samples at positions ``rows`` of this part, in that order. With ``out`` (one contiguous bf16
+        tensor ``[T, n*H]`` per row), features are decoded into those tensors and returned as them."""
+        if out is not None and len(out) != len(rows):
+            raise ValueError(f"out holds {len(out)} tensors for {len(rows)} rows")
         ids, input_ids, mask = self.small("sample_ids"), self.small("input_ids"), self.small("loss_mask")
         argmax = self.small("target_argmax") if self.part.has_target_argmax else None
-        out = []
-        for r in rows:
-            a, b = int(offsets[r]), int(offsets[r + 1])
-            out.append(Sample(
+        samples = []
+        for i, r in enumerate(rows):
+            a, b = self.span(r)
+            feats = self.read_tokens(a, b) if out is None else self.read_tokens_into(a, b, out[i])
+            samples.append(Sample(
                 sample_id=int(ids[r]),
                 input_ids=torch.from_numpy(input_ids[a:b].astype(np.int64)),
                 loss_mask=torch.from_numpy(mask[a:b].astype(bool)),
-                features=self.read_tokens(a, b),
+                features=feats,
                 target_argmax=None if argmax is None else torch.from_numpy(argmax[a:b].astype(np.int64)),
                 bucket=self.part.bucket, part=self.part.name,
             ))
-        return out
+        return samples
 
 
 class PartReaderCache:

@@ -49,6 +49,11 @@ class Storage:
         buf[:len(data)] = data
         return len(data)
 
+    def open_range(self, key: str, start: int, end: int) -> RangeReader:
+        """Reads within bytes ``[start, end)`` of ``key`` (raises FileNotFoundError when it is missing).
+        Remote stores fetch the range once; local files are read in place, piece by piece."""
+        return BytesRangeReader(self.get_range(key, start, end), start)
+
     def exists(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -80,6 +85,66 @@ class Storage:
         raise NotImplementedError
 
 
+class RangeReader:
+    """Positional reads of one object; use as a context manager (closes the file)."""
+
+    def read_into(self, start: int, bufs: list[memoryview]) -> int:
+        """Fill ``bufs`` in order from byte ``start`` of the object; returns the bytes read."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BytesRangeReader(RangeReader):
+    def __init__(self, data: bytes, offset: int):
+        self.data, self.offset = memoryview(data), offset
+
+    def read_into(self, start: int, bufs: list[memoryview]) -> int:
+        pos = start - self.offset
+        got = 0
+        for buf in bufs:
+            piece = self.data[max(pos, 0):max(pos, 0) + len(buf)]
+            buf[:len(piece)] = piece
+            got += len(piece)
+            pos += len(buf)
+            if len(piece) < len(buf):
+                break
+        return got
+
+
+class FileRangeReader(RangeReader):
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read_into(self, start: int, bufs: list[memoryview]) -> int:
+        want = sum(len(b) for b in bufs)
+        got = os.preadv(self.fd, bufs, start)
+        if got >= want:
+            return got
+        total = pos = 0  # a short read: finish buffer by buffer (stops at the end of the file)
+        for buf in bufs:
+            have = min(max(got - pos, 0), len(buf))
+            while have < len(buf):
+                more = os.preadv(self.fd, [buf[have:]], start + pos + have)
+                if more <= 0:
+                    return total + have
+                have += more
+            total, pos = total + have, pos + len(buf)
+        return total
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class LocalStorage(Storage):
     is_local = True
 
@@ -109,6 +174,9 @@ class LocalStorage(Storage):
             return os.preadv(fd, [buf], start)
         finally:
             os.close(fd)
+
+    def open_range(self, key: str, start: int, end: int) -> RangeReader:
+        return FileRangeReader(self._p(key))
 
     def exists(self, key: str) -> bool:
         return self._p(key).exists()

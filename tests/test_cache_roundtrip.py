@@ -7,8 +7,9 @@ import pytest
 import torch
 import zarr
 
-from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
-from dflash_cache.errors import CacheError, DataError, SpecMismatchError
+from dflash_cache import CacheSpec, TeacherInfo, codecs, create_cache, open_cache
+from dflash_cache.errors import CacheCorruptError, CacheError, DataError, SpecMismatchError
+from dflash_cache.reader import PartReader
 from dflash_cache.synthetic import synthetic_features
 
 H, N_LAYERS = 32, 2
@@ -169,3 +170,96 @@ def test_add_batch_equals_add(tmp_path):
         with pytest.raises(DataError, match="unique"):
             w.add_batch([samples[0][0]], [samples[0][1].shape[0]], samples[0][1], samples[0][2], samples[0][3])
     assert a.parts()[0].arrays == b.parts()[0].arrays  # same shapes, same checksums, same bytes on disk
+
+
+# ---- reads into caller buffers, partial-chunk decoding, crc implementations --------------------------
+
+
+def _spans(n_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """Token ranges that start/stop on and off chunk edges, inside one chunk and across several."""
+    out = [(0, n_tokens), (0, 1), (n_tokens - 1, n_tokens), (chunk, 2 * chunk), (3, chunk - 2),
+           (chunk - 1, chunk + 1), (5, n_tokens - 7)]
+    return [(a, b) for a, b in out if 0 <= a < b <= n_tokens]
+
+
+@pytest.mark.parametrize("url_kind", ["local", "memory"])
+@pytest.mark.parametrize("codec", ["bf16-zstd", "bf16-lz4", "bf16-raw", "fp8-e4m3"])
+def test_reads_into_buffers_equal_plain_reads(tmp_path, url_kind, codec):
+    url = str(tmp_path / "c") if url_kind == "local" else f"memory://into-{codec}-{tmp_path.name}"
+    cache = create_cache(url, _spec(codec), chunk_tokens=16, shard_tokens=64)
+    _write(cache, _samples(10))
+    (part,) = cache.parts()
+    whole = cache.read_tokens(part, 0, part.n_tokens)
+    reader = PartReader(cache.storage, part)
+    for a, b in _spans(part.n_tokens, 16):
+        out = torch.full((b - a, whole.shape[1]), 7.0, dtype=torch.bfloat16)
+        assert reader.read_tokens_into(a, b, out) is out
+        assert torch.equal(out.view(torch.int16), whole[a:b].view(torch.int16)), (a, b)
+    rows = [7, 0, 3]
+    plain = cache.read_rows(part, rows)
+    batch = torch.zeros(3, 70, whole.shape[1], dtype=torch.bfloat16)  # slices of one buffer, like the loader's
+    outs = [batch[i, :s.features.shape[0]] for i, s in enumerate(plain)]
+    got = reader.read_rows(rows, out=outs)
+    for p, g, o in zip(plain, got, outs, strict=True):
+        assert g.features is o and g.sample_id == p.sample_id
+        assert torch.equal(g.features.view(torch.int16), p.features.view(torch.int16))
+        assert torch.equal(g.input_ids, p.input_ids) and torch.equal(g.loss_mask, p.loss_mask)
+
+
+def test_read_into_refuses_a_wrong_buffer(tmp_path):
+    cache = create_cache(str(tmp_path / "c"), _spec(), chunk_tokens=16, shard_tokens=64)
+    _write(cache, _samples(3))
+    reader = PartReader(cache.storage, cache.parts()[0])
+    d = cache.spec.feature_dim
+    for bad in (torch.zeros(5, d), torch.zeros(4, d, dtype=torch.bfloat16), torch.zeros(d, 5, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            reader.read_tokens_into(0, 5, bad)
+    with pytest.raises(ValueError, match="3 rows"):
+        reader.read_rows([0, 1, 2], out=[torch.zeros(1, d, dtype=torch.bfloat16)])
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_partial_chunks_spanning_blosc_blocks_decode_exactly(tmp_path, monkeypatch, portable):
+    """Chunks of 2 MiB hold two 1 MiB blosc blocks: a range decodes only the blocks it overlaps (or, on
+    the portable path without blosc's C entry points, the whole chunk) and equals zarr's full read."""
+    if portable:
+        monkeypatch.setattr(codecs, "BLOSC", None)
+    spec = _spec(teacher=TeacherInfo("wide", None, 4, 1024, 100, "bfloat16"))  # 2 layers x 1024: 4 KiB/token
+    cache = create_cache(str(tmp_path / "c"), spec, chunk_tokens=512, shard_tokens=1024)
+    g = torch.Generator().manual_seed(1)
+    with cache.part_writer(2, "p") as w:
+        for i, t in enumerate((300, 290, 280, 270)):
+            w.add(i, torch.zeros(t, dtype=torch.long), torch.ones(t, dtype=torch.bool),
+                  synthetic_features(t, 2, 1024, g))
+    (part,) = cache.parts()
+    z = zarr.open_array(str(tmp_path / "c" / part.key / "features"), mode="r")[:]
+    reader = PartReader(cache.storage, part)
+    for a, b in _spans(part.n_tokens, 512) + [(250, 262), (256, 512), (200, 700)]:
+        got = reader.read_tokens(a, b).view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(got, z[a:b]), (a, b)
+
+
+def test_crc32c_implementations_agree():
+    import google_crc32c
+
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    want = google_crc32c.value(data.tobytes())
+    assert codecs.crc32c(data) == want
+    assert codecs.crc32c(data[1000:], codecs.crc32c(data[:1000])) == want
+    assert codecs.crc32c(memoryview(data.tobytes())) == want
+    assert codecs._crc_google(data, 0) == want
+
+
+def test_flipped_byte_in_an_uncompressed_chunk_is_caught(tmp_path):
+    cache = create_cache(str(tmp_path / "c"), _spec("bf16-raw"), chunk_tokens=16, shard_tokens=64)
+    samples = _samples(4)
+    _write(cache, samples)
+    (part,) = cache.parts()
+    shard = tmp_path / "c" / part.key / "features" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[16 * 2 * H * N_LAYERS + 5] ^= 0x01  # in chunk 1, token 0
+    shard.write_bytes(bytes(data))
+    reader = PartReader(cache.storage, part)
+    reader.read_tokens_into(0, 16, torch.empty(16, 2 * H, dtype=torch.bfloat16))  # chunk 0 is intact
+    with pytest.raises(CacheCorruptError, match="checksum"):
+        reader.read_tokens_into(20, 24, torch.empty(4, 2 * H, dtype=torch.bfloat16))
