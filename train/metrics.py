@@ -112,10 +112,17 @@ class MetricLogger:
         assert self._file is not None
         self._file.write(json.dumps({k: _jsonable(v) for k, v in rec.items()}) + "\n")
         if self._tb is not None:
-            for k, v in rec.items():
-                if k != "step" and _is_scalar(v):
-                    self._tb.add_scalar(tb_tag(k), float(v), global_step=step)
+            self._write_tb(step, rec)
         return rec
+
+    def _write_tb(self, step: int, rec: Mapping[str, Any]) -> None:
+        """All scalars of a step in one event (one Summary with many values: ~10x cheaper than add_scalar each)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tb_tag(k), simple_value=float(v))
+                  for k, v in rec.items() if k != "step" and _is_scalar(v)]
+        assert self._tb is not None
+        self._tb._get_file_writer().add_summary(Summary(value=values), global_step=step)
 
     def flush(self) -> None:
         if self._file is not None:
