@@ -207,3 +207,29 @@ def test_regenerate_then_extract_and_estimate(tiny_teacher_dir, tmp_path, capsys
     s = cache.read_sample(0)
     masked = tok.decode(s.input_ids[s.loss_mask].tolist())
     assert convs[0][-1]["content"] in masked  # the teacher's own reply is what the loss covers
+
+
+@pytest.mark.parametrize("policy", ["skip", "error"])
+def test_nonfinite_features_are_caught_at_write_time(tiny_teacher_dir, tmp_path, monkeypatch, capsys, policy):
+    import extract.run as run_mod
+
+    real = run_mod.capture_features
+    poisoned = []
+
+    def poison(model, ids, mask, layer_ids, with_logits=False):
+        feats, logits = real(model, ids, mask, layer_ids, with_logits)
+        if not poisoned:
+            feats[0, 1, 5] = float("nan")  # row 0 of the first batch
+            poisoned.append(1)
+        return feats, logits
+
+    monkeypatch.setattr(run_mod, "capture_features", poison)
+    out = tmp_path / "cache"
+    rc = _run(tiny_teacher_dir, out, "--set", f"extract.on_nonfinite={policy}", n=16)
+    if policy == "error":
+        assert rc == 2 and "NaN/Inf features" in capsys.readouterr().err
+        return
+    assert rc == 0 and "1 non-finite" in capsys.readouterr().out
+    cache = open_cache(str(out))
+    assert len(cache.index()) == 15 and cache.read_metadata("extract_report")["n_nonfinite"] == 1
+    verify_cache(str(out))
