@@ -219,6 +219,7 @@ def test_nonfinite_features_are_caught_at_write_time(tiny_teacher_dir, tmp_path,
     def poison(model, ids, mask, layer_ids, with_logits=False):
         feats, logits = real(model, ids, mask, layer_ids, with_logits)
         if not poisoned:
+            feats = feats.clone()
             feats[0, 1, 5] = float("nan")  # row 0 of the first batch
             poisoned.append(1)
         return feats, logits
