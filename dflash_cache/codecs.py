@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import google_crc32c
@@ -96,24 +98,51 @@ def encode_chunk(chunk: np.ndarray, params: BloscParams | None) -> bytes:
     return body + crc32c(np.frombuffer(body, np.uint8)).to_bytes(4, "little")
 
 
+_encode_pool: ThreadPoolExecutor | None = None
+_encode_pool_key: tuple[int, int] = (0, 0)  # (threads, pid) it was made for
+_encode_pool_lock = threading.Lock()
+
+
+def encode_threads() -> int:
+    """Threads that encode the inner chunks of a shard in parallel (blosc releases the GIL):
+    ``DFLASH_CACHE_ENCODE_THREADS``, default min(4, CPU count). One pool serves every writer."""
+    env = os.environ.get("DFLASH_CACHE_ENCODE_THREADS")
+    return max(1, int(env)) if env else max(1, min(4, os.cpu_count() or 1))
+
+
+def _encode_map(chunks: list[np.ndarray], params: BloscParams | None) -> list[bytes]:
+    global _encode_pool, _encode_pool_key
+    n = encode_threads()
+    if params is None or n <= 1 or len(chunks) <= 1:
+        return [encode_chunk(c, params) for c in chunks]
+    with _encode_pool_lock:
+        if _encode_pool is None or _encode_pool_key != (n, os.getpid()):  # a forked child needs its own
+            _encode_pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="dflash-encode")
+            _encode_pool_key = (n, os.getpid())
+        pool = _encode_pool
+    return list(pool.map(lambda c: encode_chunk(c, params), chunks))
+
+
 def encode_shard(rows: np.ndarray, chunk_rows: int, shard_rows: int, params: BloscParams | None) -> bytes:
     """A whole shard object of the zarr sharding codec (inner chunks, then the index + its crc32c).
 
     ``rows`` holds up to ``shard_rows`` rows; the last inner chunk is padded with zeros (the fill value)
-    as zarr does, and inner chunks past the data are marked empty in the index.
+    as zarr does, and inner chunks past the data are marked empty in the index. Inner chunks are
+    encoded in parallel threads (:func:`encode_threads`).
     """
     n_inner = shard_rows // chunk_rows
     index = np.full((n_inner, 2), np.iinfo(np.uint64).max, dtype="<u8")
-    pieces, offset = [], 0
+    chunks = []
     for j in range(-(-rows.shape[0] // chunk_rows)):
         part = rows[j * chunk_rows:(j + 1) * chunk_rows]
         if part.shape[0] < chunk_rows:
             pad = np.zeros((chunk_rows, *rows.shape[1:]), dtype=rows.dtype)
             pad[:part.shape[0]] = part
             part = pad
-        enc = encode_chunk(part, params)
+        chunks.append(part)
+    pieces, offset = _encode_map(chunks, params), 0
+    for j, enc in enumerate(pieces):
         index[j] = (offset, len(enc))
-        pieces.append(enc)
         offset += len(enc)
     idx = index.tobytes()
     pieces.append(idx + crc32c(np.frombuffer(idx, np.uint8)).to_bytes(4, "little"))

@@ -274,3 +274,52 @@ def test_clear_errors(tmp_path: Path, cache_url: str) -> None:
         StreamingLoader(open_cache(cache_url), _cfg(tokens_per_batch=100), seed=0)
     with pytest.raises(ConfigError, match="agree_parts"):
         StreamingLoader(open_cache(cache_url), _cfg(live=True), seed=0, world_size=2)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_decoding_into_batches_equals_collating_read_samples(cache_url: str, packing: bool) -> None:
+    cache = open_cache(cache_url)
+    cfg = _cfg(packing=packing, pack_row_tokens=512 if packing else None)
+    with StreamingLoader(cache, cfg, seed=4, max_epochs=2) as direct:
+        a = _digest(_run(direct, 2))
+    with StreamingLoader(cache, cfg, seed=4, max_epochs=2, read_fn=cache.read_samples) as collated:
+        b = _digest(_run(collated, 2))
+    assert a == b
+
+
+def test_batch_buffers_are_reused_only_once_released(cache_url: str) -> None:
+    cache = open_cache(cache_url)
+    with StreamingLoader(cache, _cfg(num_readers=1), seed=6, max_epochs=1) as loader:
+        on_arrival = [_digest([b]) for b in loader]  # each batch dropped before the next is taken
+        assert loader._pool.reused > 0
+    with StreamingLoader(cache, _cfg(num_readers=1), seed=6, max_epochs=1) as loader:
+        kept = list(loader)  # every batch held: no buffer may be refilled under them
+        assert loader._pool.reused == 0
+    assert [_digest([b]) for b in kept] == on_arrival
+
+
+def test_buffer_pool_waits_for_views_and_device_copies() -> None:
+    from train.batch import BatchBufferPool
+
+    class Event:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    pool = BatchBufferPool(slot_bytes=4096, max_slots=1)
+    t = pool.batch_tensors(2, 8, 16)
+    ptr = t["features"].data_ptr()
+    view = t["loss_mask"][1:]
+    del t
+    assert pool.batch_tensors(2, 8, 16)["features"].data_ptr() != ptr  # a view is alive: fresh memory
+    del view
+    t = pool.batch_tensors(2, 8, 16)
+    assert t["features"].data_ptr() == ptr and pool.reused == 1
+    event = Event()
+    pool.record_copy(t["features"], event)
+    del t
+    assert pool.batch_tensors(2, 8, 16)["features"].data_ptr() != ptr  # the device copy is still running
+    event.done = True
+    assert pool.batch_tensors(2, 8, 16)["features"].data_ptr() == ptr
+    assert pool.take(8192).numel() == 8192  # larger than a slot: unpooled memory

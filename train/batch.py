@@ -4,12 +4,18 @@ Rows are either one sample each, padded to the longest sample in the batch, or (
 ``loader.packing``) several samples packed back to back. ``doc_ids`` tells the model where
 each document starts and ends in its row, so a mask built from it never lets one document
 see another; ``position_ids`` restart at 0 for each document.
+
+The loader builds batches in reusable host buffers (:class:`BatchBufferPool`): a buffer is refilled
+only once no tensor of the batch it held is alive and its device copy has completed.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -74,3 +80,110 @@ class Batch:
             elif a != b:
                 return False
         return True
+
+
+# ---- reusable host memory for batches --------------------------------------------------------------
+
+# (name, dtype) of the padded [R, T(, D)] tensors a batch is made of, in buffer order (widest alignment first)
+_LAYOUT = (("features", torch.bfloat16), ("input_ids", torch.int64), ("position_ids", torch.int64),
+           ("doc_ids", torch.int32), ("loss_mask", torch.bool))
+_ALIGN = 64
+
+
+def padded_nbytes(rows: int, seq_len: int, feature_dim: int) -> int:
+    """Bytes of one batch's padded tensors laid out by :func:`carve_batch`."""
+    total = 0
+    for name, dtype in _LAYOUT:
+        n = rows * seq_len * (feature_dim if name == "features" else 1) * dtype.itemsize
+        total += -(-n // _ALIGN) * _ALIGN
+    return total
+
+
+def carve_batch(flat: Tensor, rows: int, seq_len: int, feature_dim: int) -> dict[str, Tensor]:
+    """Views of a flat uint8 buffer as the padded batch tensors (uninitialised): features [R, T, D]
+    bf16, input_ids [R, T] int64, position_ids [R, T] int64, doc_ids [R, T] int32, loss_mask [R, T] bool."""
+    out, pos = {}, 0
+    for name, dtype in _LAYOUT:
+        shape = (rows, seq_len, feature_dim) if name == "features" else (rows, seq_len)
+        n = rows * seq_len * (feature_dim if name == "features" else 1) * dtype.itemsize
+        out[name] = flat[pos:pos + n].view(dtype).view(shape)
+        pos += -(-n // _ALIGN) * _ALIGN
+    return out
+
+
+def host_buffer(nbytes: int, pin: bool) -> Tensor:
+    """A flat uint8 host tensor. Unpinned memory comes from numpy, whose large allocations are backed by
+    transparent huge pages: first-touch page faults, not copies, dominate filling fresh memory here."""
+    if pin:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+
+
+def _use_count(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Slot:
+    def __init__(self, base: Tensor):
+        self.base = base
+        self.baseline = _use_count(base)  # references while no batch views it
+        self.event: Any = None  # CUDA event of the last device copy out of it
+
+    def is_free(self) -> bool:
+        if _use_count(self.base) != self.baseline:
+            return False  # some tensor (a batch, a view of one, a numpy array of one) still uses it
+        if self.event is not None:
+            if not self.event.query():
+                return False  # an asynchronous copy to the device may still be reading it
+            self.event = None
+        return True
+
+
+class BatchBufferPool:
+    """Host memory for batches, reused instead of allocated fresh for every batch.
+
+    A buffer is reused only when nothing uses it any more: no tensor viewing it is alive (its storage's
+    reference count is back to the pool's own) and the last device copy out of it has completed (see
+    :meth:`record_copy`). So a consumer that keeps batches keeps them intact; the pool then allocates
+    fresh memory. At most ``max_slots`` buffers are kept; beyond that batches get unpooled memory.
+    """
+
+    def __init__(self, slot_bytes: int, max_slots: int, pin: bool = False):
+        self.slot_bytes, self.max_slots, self.pin = slot_bytes, max_slots, pin
+        self._slots: list[_Slot] = []
+        self._lock = threading.Lock()
+        self._counting = hasattr(torch._C, "_storage_Use_Count")
+        self.reused = self.allocated = 0
+
+    def take(self, nbytes: int) -> Tensor:
+        """A flat uint8 tensor of ``nbytes`` (uninitialised)."""
+        with self._lock:
+            if self._counting:
+                for slot in self._slots:
+                    if slot.base.numel() >= nbytes and slot.is_free():
+                        self.reused += 1
+                        return slot.base[:nbytes]  # the view is taken under the lock: the slot is busy now
+            self.allocated += 1
+            if not self._counting or len(self._slots) >= self.max_slots or nbytes > self.slot_bytes:
+                return host_buffer(nbytes, self.pin)
+            slot = _Slot(host_buffer(self.slot_bytes, self.pin))
+            self._slots.append(slot)
+            return slot.base[:nbytes]
+
+    def batch_tensors(self, rows: int, seq_len: int, feature_dim: int) -> dict[str, Tensor]:
+        flat = self.take(padded_nbytes(rows, seq_len, feature_dim))
+        return carve_batch(flat, rows, seq_len, feature_dim)
+
+    def record_copy(self, tensor: Tensor, event: Any) -> None:
+        """``event`` completes when the device copy out of ``tensor`` (a batch tensor) has finished."""
+        ptr = tensor.data_ptr()
+        with self._lock:
+            for slot in self._slots:
+                base = slot.base.data_ptr()
+                if base <= ptr < base + slot.base.numel():
+                    slot.event = event
+                    return
+
+    def clear(self) -> None:
+        with self._lock:
+            self._slots.clear()

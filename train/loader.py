@@ -23,6 +23,11 @@ or ``loader.live_timeout_s`` passes without a new part; then the epoch ends.
 
 With ``world_size > 1`` in live mode every rank must plan the same windows: pass
 ``agree_parts`` (for example rank 0's list broadcast with ``torch.distributed``).
+
+Readers decode each sample's features straight into its place in the batch tensor (no per-sample
+tensors, no second copy), and batches live in reusable host buffers (pinned with a GPU): a buffer is
+refilled only after every tensor of the batch it held is gone and its device copy has completed.
+With a ``read_fn`` the samples it returns are collated into those buffers instead.
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ import numpy as np
 import torch
 
 from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
+from dflash_cache.reader import PartReaderCache
 from dflash_cache.schema import LoaderConfig
 
-from .batch import Batch
+from .batch import Batch, BatchBufferPool, carve_batch, host_buffer, padded_nbytes
 from .plan import EpochPlan, PlannedBatch, PlanSettings, build_plan
 
 log = logging.getLogger(__name__)
@@ -99,6 +105,10 @@ class _Window:
     plan: EpochPlan
     sample_ids: np.ndarray  # int64 [N] arrays the plan's positions index
     part_keys: np.ndarray  # object [N]: each sample's part key
+    lengths: np.ndarray  # int32 [N] tokens
+    part_index: np.ndarray  # int32 [N] into part_infos
+    rows: np.ndarray  # int32 [N] position within its part
+    part_infos: list[Any]  # PartInfo of the index the window was planned from
     first_index: int
     history: list[list[str]]  # parts of windows 0..number of this epoch
 
@@ -211,36 +221,44 @@ def _batch_nbytes(planned: PlannedBatch, feature_dim: int) -> int:
     return slots * (feature_dim * 2 + _SLOT_BYTES) + len(planned.positions) * 8
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, fill: int | None, pin: bool) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
-    if fill is not None:
-        t.fill_(fill)
-    return t
+Alloc = Callable[[int, int], dict[str, torch.Tensor]]  # (rows, seq_len) -> uninitialised batch tensors
 
 
-def collate(rows: Sequence[Sequence[SampleLike]], feature_dim: int, pin: bool = False) -> dict[str, torch.Tensor]:
-    """Rows of documents -> padded tensors (documents back to back within a row)."""
+def _fresh(feature_dim: int, pin: bool) -> Alloc:
+    return lambda rows, seq_len: carve_batch(host_buffer(padded_nbytes(rows, seq_len, feature_dim), pin), rows,
+                                              seq_len, feature_dim)
+
+
+def _init_padding(t: dict[str, torch.Tensor]) -> None:
+    """Padding values everywhere but the features (whose padding is zeroed row by row)."""
+    t["input_ids"].zero_()
+    t["loss_mask"].zero_()
+    t["doc_ids"].fill_(-1)
+    t["position_ids"].zero_()
+
+
+def collate(rows: Sequence[Sequence[SampleLike]], feature_dim: int, pin: bool = False,
+            alloc: Alloc | None = None) -> dict[str, torch.Tensor]:
+    """Rows of documents -> padded tensors (documents back to back within a row). ``alloc`` gives the
+    (uninitialised) tensors, e.g. from a :class:`~train.batch.BatchBufferPool`."""
     R = len(rows)
     T = max(sum(int(s.input_ids.shape[0]) for s in row) for row in rows)
-    features = _alloc((R, T, feature_dim), torch.bfloat16, None, pin)  # [R, T, n*H]
-    input_ids = _alloc((R, T), torch.int64, 0, pin)  # [R, T]
-    loss_mask = _alloc((R, T), torch.bool, 0, pin)  # [R, T]
-    doc_ids = _alloc((R, T), torch.int32, -1, pin)  # [R, T]
-    position_ids = _alloc((R, T), torch.int64, 0, pin)  # [R, T]
+    t = (alloc or _fresh(feature_dim, pin))(R, T)  # features [R, T, n*H], the rest [R, T]
+    _init_padding(t)
+    features = t["features"]
     ramp = torch.arange(T, dtype=torch.int64)
     for r, row in enumerate(rows):
         off = 0
         for d, s in enumerate(row):
             n = int(s.input_ids.shape[0])
             features[r, off:off + n] = s.features
-            input_ids[r, off:off + n] = s.input_ids
-            loss_mask[r, off:off + n] = s.loss_mask
-            doc_ids[r, off:off + n] = d
-            position_ids[r, off:off + n] = ramp[:n]
+            t["input_ids"][r, off:off + n] = s.input_ids
+            t["loss_mask"][r, off:off + n] = s.loss_mask
+            t["doc_ids"][r, off:off + n] = d
+            t["position_ids"][r, off:off + n] = ramp[:n]
             off += n
         features[r, off:] = 0
-    return {"features": features, "input_ids": input_ids, "loss_mask": loss_mask, "doc_ids": doc_ids,
-            "position_ids": position_ids}
+    return t
 
 
 def extraction_finished(cache: Any) -> bool:
@@ -277,6 +295,9 @@ class StreamingLoader:
         self.device = torch.device(device) if device is not None else None
         self.max_epochs = max_epochs
         self._read = read_fn or cache.read_samples
+        # decode straight into batch buffers unless reads are injected (or the cache has no byte storage)
+        storage = getattr(cache, "storage", None)
+        self._readers = PartReaderCache(storage, capacity=256) if read_fn is None and storage is not None else None
         self._extraction_done = extraction_done or (lambda: extraction_finished(cache))
         self._agree = agree_parts or (lambda keys: keys)
         if cfg.live and world_size > 1 and agree_parts is None:
@@ -288,6 +309,10 @@ class StreamingLoader:
         self.feature_dim = int(cache.spec.feature_dim)
         self._pin = bool(cfg.pin_memory and self.device is not None and self.device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(self.device) if self._pin else None
+        slot_tokens = max(cfg.tokens_per_batch, cfg.pack_row_tokens or 0)
+        slot_bytes = padded_nbytes(1, slot_tokens, self.feature_dim)
+        self._pool = BatchBufferPool(slot_bytes, max_slots=cfg.max_buffer_bytes // slot_bytes + cfg.num_readers + 2,
+                                     pin=self._pin)
         self.counters = LoaderCounters()
         self.last_stats: BatchStats | None = None
         self.status = "idle"
@@ -367,6 +392,7 @@ class StreamingLoader:
 
     def close(self) -> None:
         self._shutdown()
+        self._pool.clear()
 
     def __enter__(self) -> StreamingLoader:
         return self
@@ -396,7 +422,8 @@ class StreamingLoader:
         ids, lengths, buckets = idx.sample_ids[sel], idx.lengths[sel], idx.buckets[sel]
         plan = build_plan(ids, lengths, buckets, self.settings, epoch=epoch, rank=self.rank, window=number,
                           first_index=first_index)
-        return _Window(epoch, number, list(parts), plan, ids, part_keys[sel], first_index, history or [list(parts)])
+        return _Window(epoch, number, list(parts), plan, ids, part_keys[sel], lengths, idx.part[sel], idx.row[sel],
+                       list(idx.parts), first_index, history or [list(parts)])
 
     def _work(self, epoch: int, saved: list[list[str]], next_index: int, identity: str | None,
               stop: threading.Event) -> Iterator[_Item]:
@@ -492,16 +519,42 @@ class StreamingLoader:
 
     def _read_batch(self, item: _Item, rows: list[list[int]]) -> Batch:
         win, planned = item.window, item.planned
-        flat = [p for r in rows for p in r]
-        ids = win.sample_ids[flat]
-        samples = self._read(ids.tolist())
-        it = iter(samples)
-        grouped = [[next(it) for _ in r] for r in rows]
-        t = collate(grouped, self.feature_dim, pin=self._pin)
+        ids = win.sample_ids[[p for r in rows for p in r]]
+        if self._readers is None:
+            samples = self._read(ids.tolist())
+            it = iter(samples)
+            t = collate([[next(it) for _ in r] for r in rows], self.feature_dim, alloc=self._alloc)
+        else:
+            t = self._decode_batch(win, rows)
         n_tokens = int(t["doc_ids"].ge(0).sum())
         return Batch(**t, sample_ids=torch.from_numpy(ids.astype(np.int64)), bucket=planned.bucket,
                      epoch=win.epoch, index=planned.index, n_tokens=n_tokens,
                      n_padded=t["input_ids"].numel() - n_tokens, seed=planned.seed)
+
+    def _alloc(self, rows: int, seq_len: int) -> dict[str, torch.Tensor]:
+        return self._pool.batch_tensors(rows, seq_len, self.feature_dim)
+
+    def _decode_batch(self, win: _Window, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Each document decoded straight into its place in the (pooled) batch tensors."""
+        assert self._readers is not None
+        seq_len = max(int(win.lengths[r].sum()) for r in rows)
+        t = self._alloc(len(rows), seq_len)  # features [R, T, n*H], the rest [R, T]
+        _init_padding(t)
+        features = t["features"]
+        for r, row in enumerate(rows):
+            off = 0
+            for d, p in enumerate(row):
+                reader = self._readers.get(win.part_infos[int(win.part_index[p])])
+                a, b = reader.span(int(win.rows[p]))
+                n = b - a
+                reader.read_tokens_into(a, b, features[r, off:off + n])
+                t["input_ids"][r, off:off + n] = torch.from_numpy(reader.small("input_ids")[a:b])
+                t["loss_mask"][r, off:off + n] = torch.from_numpy(reader.small("loss_mask")[a:b])
+                t["doc_ids"][r, off:off + n] = d
+                t["position_ids"][r, off:off + n] = torch.arange(n, dtype=torch.int64)
+                off += n
+            features[r, off:] = 0
+        return t
 
     # ---------------------------------------------------------------- consuming
 
@@ -550,6 +603,9 @@ class StreamingLoader:
             return batch.to(self.device, non_blocking=False)
         with torch.cuda.stream(self._copy_stream):  # the copy runs off the compute stream
             moved = batch.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._pool.record_copy(batch.features, done)  # its host buffer is refilled only after the copy
         compute = torch.cuda.current_stream(self.device)
         compute.wait_stream(self._copy_stream)
         for name in ("features", "input_ids", "loss_mask", "doc_ids", "position_ids", "sample_ids"):
