@@ -453,7 +453,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
         return {"ckpt_blocking_ms": stats.blocking_ms, "ckpt_saved_step": at_step}
 
     try:
-        t_prev = time.perf_counter()
+        t_prev, cpu_prev = time.perf_counter(), time.thread_time()
         while step < total_steps:
             t_data = time.perf_counter()
             micro = _micro_batches(batches, cfg.train.grad_accum)
@@ -468,10 +468,11 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
             if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop_signal:
                 record.update(save(step))
             record.update(_completed_saves(ckpt))
-            now = time.perf_counter()
+            now, cpu_now = time.perf_counter(), time.thread_time()
             record["step_time_s"] = now - t_prev
+            record["perf/step_cpu_s"] = cpu_now - cpu_prev  # training thread only: robust to other load
             record["tokens_per_s"] = record["n_tokens"] * d.world_size / max(now - t_prev, 1e-9)
-            t_prev = now
+            t_prev, cpu_prev = now, cpu_now
             metrics.log(step, record)
             _update_progress(progress, res, record)
             if res.verdict.skip:
