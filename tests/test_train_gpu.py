@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_train_on_gpu_with_bf16_autocast_and_resume(tmp_path):
                          vocab_size=512, max_length=256, median_length=64)
 
     def cfg(steps: int):
-        return load_config("configs/tiny.toml", ["model.mask_token_id=511", "metrics.progress_bar=false",
+        return load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", ["model.mask_token_id=511", "metrics.progress_bar=false",
                                                  f"train.max_steps={steps}", "checkpoint.every_steps=3"])
 
     result = train(cfg(6), cache, tmp_path / "run")

@@ -95,7 +95,9 @@ def build_model(cfg: PipelineConfig, cache: Any, device: torch.device) -> nn.Mod
     """The drafter on ``device`` in fp32 (master weights); only its own layers are trainable."""
     from .model import build_drafter
 
-    model = build_drafter(cfg.model, cache.spec, cache.load_head()).to(device=device, dtype=torch.float32)
+    model = build_drafter(cfg.model, cache.spec, cache.load_head()).to(device)
+    for p in model.parameters():  # fp32 master weights; the frozen head buffers keep their dtype (memory)
+        p.data = p.data.float()
     # the frozen embedding / lm_head are buffers; make sure nothing else sneaks in as trainable
     model.embed_tokens.requires_grad_(False)
     model.lm_head.requires_grad_(False)
