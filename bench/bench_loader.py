@@ -115,22 +115,24 @@ def _loader_cfg(budget: int, readers: int) -> LoaderConfig:
     return LoaderConfig(tokens_per_batch=budget, num_readers=readers, max_buffer_bytes=3 << 30, holdout_fraction=0)
 
 
-def time_loader(url: str, budget: int, readers: int, epochs: int) -> tuple[float, float]:
-    """(tokens/s, feature GB/s) over ``epochs`` timed epochs after one warm-up epoch."""
+def time_loader(url: str, budget: int, readers: int, epochs: int) -> tuple[float, float, float]:
+    """(tokens/s, feature GB/s, feature GB per CPU-second of this process) over ``epochs`` timed epochs
+    after one warm-up epoch."""
     with StreamingLoader(open_cache(url), _loader_cfg(budget, readers), seed=0, max_epochs=epochs + 1) as loader:
         for _ in loader:
             pass
-        t0, tokens, nbytes = time.perf_counter(), 0, 0
+        t0, c0, tokens, nbytes = time.perf_counter(), time.process_time(), 0, 0
         while loader.epoch < epochs + 1:
             for b in loader:
                 tokens += b.n_tokens
                 nbytes += b.n_tokens * b.features.shape[-1] * 2
-        dt = time.perf_counter() - t0
-    return tokens / dt, nbytes / dt / 1e9
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return tokens / dt, nbytes / dt / 1e9, nbytes / cpu / 1e9
 
 
-def time_files(root: Path, url: str, budget: int, workers: int, epochs: int) -> tuple[float, float]:
-    """The same plan's batches read from per-sample torch.save files by a standard DataLoader."""
+def time_files(root: Path, url: str, budget: int, workers: int, epochs: int) -> tuple[float, float, float | None]:
+    """The same plan's batches read from per-sample torch.save files by a standard DataLoader:
+    (tokens/s, feature GB/s, GB per CPU-second: only without worker processes, whose time is not ours)."""
     cache = open_cache(url)
     idx = cache.index()
     plan = build_plan(idx.sample_ids, idx.lengths, idx.buckets, PlanSettings(seed=0, tokens_per_batch=budget), epoch=0)
@@ -140,12 +142,12 @@ def time_files(root: Path, url: str, budget: int, workers: int, epochs: int) -> 
                     persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
     for _ in dl:  # warm-up pass
         pass
-    t0, tokens = time.perf_counter(), 0
+    t0, c0, tokens = time.perf_counter(), time.process_time(), 0
     for _ in range(epochs):
         for b in dl:
             tokens += int((b["doc_ids"] >= 0).sum())
-    dt = time.perf_counter() - t0
-    return tokens / dt, tokens * dim * 2 / dt / 1e9
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return tokens / dt, tokens * dim * 2 / dt / 1e9, tokens * dim * 2 / cpu / 1e9 if workers == 0 else None
 
 
 def main() -> None:
@@ -173,8 +175,9 @@ def main() -> None:
                                                               2 * (n - 1), args.epochs)
         for name, url in (("zstd", zstd), ("raw", raw)):
             runs[f"loader_{name}_{n}r"] = time_loader(url, args.tokens_per_batch, n, args.epochs)
-    res["throughput"] = {k: {"tokens_per_s": v[0], "feature_gbps": v[1]} for k, v in runs.items()}
-    per_core = {k: runs[f"loader_{k}_1r"][1] for k in ("zstd", "raw")}
+    res["throughput"] = {k: {"tokens_per_s": v[0], "feature_gbps": v[1], "gb_per_cpu_s": v[2]}
+                         for k, v in runs.items()}
+    per_core = {k: runs[f"loader_{k}_1r"][2] for k in ("zstd", "raw")}  # GB per CPU-second: robust to load
     res["per_core_gbps"] = per_core
     res["cores_for_target"] = {k: TARGET_GBPS / v for k, v in per_core.items()}
     res["ratio_vs_files_2"] = {k: runs[f"loader_{k}_2r"][0] / runs["files_dataloader_2w"][0] for k in ("zstd", "raw")}
@@ -202,10 +205,12 @@ def _print(res: dict) -> None:
     c = res["cache"]
     print(f"cache: {c['samples']} samples, {c['tokens']} tokens; zstd {c['zstd_bytes'] / 1e9:.2f} GB, "
           f"raw {c['raw_bytes'] / 1e9:.2f} GB, per-sample files {c['files_bytes'] / 1e9:.2f} GB")
+    print("  (per CPU-s: feature GB per second of this process's CPU time, all threads)")
     for k, v in res["throughput"].items():
-        print(f"  {k:24s} {v['tokens_per_s']:10.0f} tok/s  {v['feature_gbps']:6.2f} GB/s")
+        cpu = f"{v['gb_per_cpu_s']:6.2f} GB per CPU-s" if v["gb_per_cpu_s"] else ""
+        print(f"  {k:24s} {v['tokens_per_s']:10.0f} tok/s  {v['feature_gbps']:6.2f} GB/s  {cpu}")
     for k, v in res["per_core_gbps"].items():
-        print(f"per core ({k}, 1 reader): {v:.2f} GB/s -> {res['cores_for_target'][k]:.1f} cores for "
+        print(f"per core ({k}, 1 reader, GB per CPU-s): {v:.2f} -> {res['cores_for_target'][k]:.1f} cores for "
               f"{res['target_gbps']:.2f} GB/s; tokens/s vs files: 1 reader / 0 workers "
               f"{res['ratio_vs_files_0'][k]:.2f}x, 2 readers / 2 workers {res['ratio_vs_files_2'][k]:.2f}x")
     print(f"load average {res['load_avg_start']:.1f} -> {res['load_avg_end']:.1f} on {res['cpu_cores']} cores")

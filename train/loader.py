@@ -32,6 +32,7 @@ With a ``read_fn`` the samples it returns are collated into those buffers instea
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -52,6 +53,7 @@ from .plan import EpochPlan, PlannedBatch, PlanSettings, build_plan
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+_PIECE_CHUNKS = 2  # a decode task: features of at most this many (aligned) inner chunks of a sample
 # bytes per token slot besides the features: input_ids int64 + loss_mask bool + doc_ids int32 + position_ids int64
 _SLOT_BYTES = 8 + 1 + 4 + 8
 
@@ -298,6 +300,9 @@ class StreamingLoader:
         # decode straight into batch buffers unless reads are injected (or the cache has no byte storage)
         storage = getattr(cache, "storage", None)
         self._readers = PartReaderCache(storage, capacity=256) if read_fn is None and storage is not None else None
+        self._decoders = None  # threads that decode pieces of batches (blosc runs without the GIL)
+        if self._readers is not None and cfg.num_readers > 1:
+            self._decoders = concurrent.futures.ThreadPoolExecutor(cfg.num_readers, thread_name_prefix="dflash-decode")
         self._extraction_done = extraction_done or (lambda: extraction_finished(cache))
         self._agree = agree_parts or (lambda keys: keys)
         if cfg.live and world_size > 1 and agree_parts is None:
@@ -393,6 +398,9 @@ class StreamingLoader:
     def close(self) -> None:
         self._shutdown()
         self._pool.clear()
+        if self._decoders is not None:
+            self._decoders.shutdown(wait=True)
+            self._decoders = None
 
     def __enter__(self) -> StreamingLoader:
         return self
@@ -535,26 +543,43 @@ class StreamingLoader:
         return self._pool.batch_tensors(rows, seq_len, self.feature_dim)
 
     def _decode_batch(self, win: _Window, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-        """Each document decoded straight into its place in the (pooled) batch tensors."""
+        """Each document decoded straight into its place in the (pooled) batch tensors; the features in
+        pieces of a few chunks, spread over the decode threads (so that even one batch in flight keeps
+        every reader busy)."""
         assert self._readers is not None
         seq_len = max(int(win.lengths[r].sum()) for r in rows)
         t = self._alloc(len(rows), seq_len)  # features [R, T, n*H], the rest [R, T]
         _init_padding(t)
         features = t["features"]
+        pieces = []
         for r, row in enumerate(rows):
             off = 0
             for d, p in enumerate(row):
                 reader = self._readers.get(win.part_infos[int(win.part_index[p])])
                 a, b = reader.span(int(win.rows[p]))
                 n = b - a
-                reader.read_tokens_into(a, b, features[r, off:off + n])
                 t["input_ids"][r, off:off + n] = torch.from_numpy(reader.small("input_ids")[a:b])
                 t["loss_mask"][r, off:off + n] = torch.from_numpy(reader.small("loss_mask")[a:b])
                 t["doc_ids"][r, off:off + n] = d
                 t["position_ids"][r, off:off + n] = torch.arange(n, dtype=torch.int64)
+                step = _PIECE_CHUNKS * reader.part.chunk_tokens if self._decoders is not None else b
+                cuts = [a, *range((a // step + 1) * step, b, step), b]  # chunk-aligned inner cuts
+                for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+                    pieces.append((reader, lo, hi, features[r, off + lo - a:off + hi - a]))
                 off += n
             features[r, off:] = 0
+        self._decode_pieces(pieces)
         return t
+
+    def _decode_pieces(self, pieces: list[tuple[Any, int, int, torch.Tensor]]) -> None:
+        if self._decoders is None or len(pieces) == 1:
+            for reader, lo, hi, dest in pieces:
+                reader.read_tokens_into(lo, hi, dest)
+            return
+        futures = [self._decoders.submit(reader.read_tokens_into, lo, hi, dest) for reader, lo, hi, dest in pieces]
+        concurrent.futures.wait(futures)  # every piece done (or failed) before the buffer can be dropped
+        for f in futures:
+            f.result()  # the first failure, in batch order
 
     # ---------------------------------------------------------------- consuming
 
