@@ -152,9 +152,9 @@ def time_files(root: Path, url: str, budget: int, workers: int, epochs: int) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=24_000, help="tokens in the synthetic cache")
+    ap.add_argument("--tokens", type=int, default=32_000, help="tokens in the synthetic cache")
     ap.add_argument("--tokens-per-batch", type=int, default=8192)
-    ap.add_argument("--epochs", type=int, default=2, help="timed epochs per configuration")
+    ap.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration")
     ap.add_argument("--workdir", default="/tmp/bench_loader")
     ap.add_argument("--keep", action="store_true", help="keep the caches and files")
     args = ap.parse_args()

@@ -28,6 +28,9 @@ _EMPTY = np.uint64(2**64 - 1)
 _scratch = threading.local()  # per-thread reusable buffers: fresh pages cost more than decoding here
 
 
+_SCRATCH_MAX = 64 << 20  # larger temporaries are allocated per call, not kept per thread
+
+
 def _scratch_buffer(name: str, n: int) -> np.ndarray:
     """A per-thread reusable uint8 buffer of ``n`` bytes (grown, never shrunk)."""
     buf = getattr(_scratch, name, None)
@@ -259,7 +262,8 @@ class PartReader:
             raise ValueError(f"out must be a contiguous CPU bfloat16 tensor [{stop - start}, {d}], got "
                              f"{out.dtype} {list(out.shape)} on {out.device}")
         if self.part.codec == "fp8-e4m3":
-            q = _scratch_buffer("fp8", (stop - start) * d).reshape(stop - start, d)
+            n = (stop - start) * d
+            q = (_scratch_buffer("fp8", n) if n <= _SCRATCH_MAX else np.empty(n, np.uint8)).reshape(stop - start, d)
             self.readers["features"].read_into(start, stop, q)
             s = self.readers["scales"].read(start, stop)
             dequantize_fp8(torch.from_numpy(q), torch.from_numpy(s), out=out)
