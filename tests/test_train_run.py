@@ -192,6 +192,8 @@ def test_resume_on_another_cache_is_refused_unless_overridden(cache, tmp_path):
     _run(cache, run, "train.max_steps=2", "checkpoint.every_steps=2")
     proc = _run(other, run, "train.max_steps=4", expect=2)
     assert "codec" in proc.stderr and "ignore_fingerprint_mismatch" in proc.stderr
+    proc = _run(cache, run, "train.max_steps=4", "checkpoint.resume=false", expect=2)
+    assert "already holds checkpoints" in proc.stderr
     _run(other, run, "train.max_steps=4", "checkpoint.ignore_fingerprint_mismatch=true")
     assert max(_losses(run)) == 4
 

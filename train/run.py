@@ -506,11 +506,15 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
 
 def _resume(cfg: PipelineConfig, ckpt: Checkpointer, cache: Any, model, optimizer, scheduler, loader,
             guard: SpikeGuard, d: DistInfo) -> int:
-    if not cfg.checkpoint.resume:
-        return 0
     latest = ckpt.load_latest()
     if latest is None:
         return 0
+    if not cfg.checkpoint.resume:
+        raise DFlashError(
+            f"checkpoint.resume is false but {latest.path.parent} already holds checkpoints (latest: step "
+            f"{latest.step}); starting over there would mix two runs. Use a new --run-dir, or delete "
+            f"{latest.path.parent} to start this one from scratch"
+        )
     check_cache_compatible(latest, cache, cfg.checkpoint.ignore_fingerprint_mismatch)
     saved_world = int(latest.state["world_size"])
     if saved_world != d.world_size:
