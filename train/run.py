@@ -229,7 +229,7 @@ def train_step(
 ) -> StepResult:
     """Forward/backward over the micro-batches, guard, then (unless skipped) clip + AdamW + schedule."""
     device = dist_info.device
-    params = [p for p in optimizer.param_groups[0]["params"]]
+    params = list(optimizer.param_groups[0]["params"])
     lr = optimizer.param_groups[0]["lr"]
     scale = fault_scale(train_cfg, step)
     n_micro = len(micro_batches)
@@ -237,10 +237,11 @@ def train_step(
     acc = _MetricSums()
     for i, batch in enumerate(micro_batches):
         batch = batch.to(device)
-        sync = i == n_micro - 1 or not dist_info.enabled
-        with (nullcontext() if sync else loss_module.no_sync()), autocast_context(train_cfg, device):
-            loss, metrics = loss_module(batch)
-            loss = loss * scale  # [] fp32; scale is 1.0 unless a fault is injected on this step
+        sync = i == n_micro - 1 or not dist_info.enabled  # DDP all-reduces gradients on the last micro-batch
+        with nullcontext() if sync else loss_module.no_sync():
+            with autocast_context(train_cfg, device):
+                loss, metrics = loss_module(batch)
+            loss = loss.float() * scale  # []; scale is 1.0 unless a fault is injected on this step
             (loss / n_micro).backward()
         loss_sum += loss.detach().float()
         acc.add(batch.bucket, loss.detach().float(), metrics)
