@@ -453,7 +453,8 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     def save(at_step: int) -> dict[str, Any]:
         state = _training_state(at_step, optimizer, scheduler, loader, guard, cache, d)
         stats = ckpt.save(at_step, model.state_dict(), state)
-        return {"ckpt_blocking_ms": stats.blocking_ms, "ckpt_saved_step": at_step}
+        # blocking = waiting for the previous write (if still running) + the host snapshot
+        return {"ckpt_blocking_ms": stats.blocking_ms, "ckpt_wait_ms": stats.wait_ms, "ckpt_saved_step": at_step}
 
     try:
         t_prev, cpu_prev = time.perf_counter(), time.thread_time()
