@@ -116,10 +116,10 @@ def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(cache, tmp_path
     for _ in range(10):
         proc = subprocess.Popen(_cmd(cache, run, *overrides), cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True,
-                                env=_env(DFLASH_TEST_CKPT_WRITE_DELAY_S="0.05"))
+                                env=_env(DFLASH_TEST_CKPT_WRITE_DELAY_S="0.1"))
         root = run / "checkpoints"
         _wait_for(lambda root=root: root.is_dir() and any(p.suffix == ".tmp" for p in root.iterdir()), proc)
-        time.sleep(rng.uniform(0.0, 0.35))  # somewhere inside (or just after) the >= 0.25 s write
+        time.sleep(rng.uniform(0.0, 0.45))  # somewhere inside (or just after) the >= 0.4 s write
         kills_mid_save += any(p.suffix == ".tmp" for p in root.iterdir())
         proc.kill()
         proc.wait()
@@ -128,7 +128,7 @@ def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(cache, tmp_path
             validate_checkpoint(path)
         latest = read_checkpoint(find_latest(run))
         assert latest.step == committed[-1][0] >= 2
-    assert kills_mid_save >= 5
+    assert kills_mid_save >= 4  # most kills land mid-save; the others between saves
 
 
 def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path):
