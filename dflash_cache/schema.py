@@ -106,7 +106,6 @@ class TrainConfig(Section):
     num_anchors: int = Field(512, gt=0)
     loss_gamma: float | None = Field(None, gt=0)  # None: 7 for B=16, 5 for B=10, 4 for B=8
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    log_every: int = Field(1, gt=0)
     # Fault injection for tests and drills (real code path, off by default): the loss of each listed
     # step is replaced by NaN, or multiplied by inject_spike_scale, before backward.
     inject_nan_steps: list[int] = Field(default_factory=list)
@@ -149,7 +148,7 @@ class GuardsConfig(Section):
 
 
 class EvalConfig(Section):
-    every_steps: int | None = Field(None, gt=0)
+    every_steps: int | None = Field(None, gt=0)  # held-out teacher-forced acceptance during training (eval/*)
     max_blocks: int | None = Field(None, gt=0)
     live_prompts: int = Field(4, ge=0)
     live_max_new_tokens: int = Field(64, gt=0)

@@ -223,3 +223,25 @@ def test_ddp_two_gloo_processes_match_single_process(cache, tmp_path):
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
     shutil.rmtree(tmp_path)
+
+
+def test_periodic_heldout_eval_is_logged_and_keeps_resume_exact(cache, tmp_path):
+    every = ["loader.holdout_fraction=0.2", "train.max_steps=6", "checkpoint.every_steps=3"]
+    straight = tmp_path / "straight"
+    _run(cache, straight, *every)
+    with_eval = tmp_path / "with_eval"
+    _run(cache, with_eval, *every, "eval.every_steps=2")
+    records = {r["step"]: r for r in read_metrics(with_eval)}
+    assert sorted(s for s, r in records.items() if "eval/acceptance_length" in r) == [2, 4, 6]
+    assert all(records[s]["eval/n_blocks"] > 0 and records[s]["eval/acceptance_length"] >= 1.0 for s in (2, 4, 6))
+    assert "eval/acceptance_length" in _tb_tags(with_eval)
+    # scoring every held-out anchor draws no random numbers: the training itself is unchanged
+    assert _losses(with_eval) == _losses(straight)
+
+
+def _tb_tags(run: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    return acc.Tags()["scalars"]

@@ -422,6 +422,35 @@ def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch] | None:
     return out
 
 
+class HeldoutEval:
+    """Teacher-forced acceptance on the held-out samples every ``eval.every_steps`` (rank 0).
+
+    Every eligible anchor is scored, so it draws no random numbers: a resumed run stays bitwise exact.
+    """
+
+    def __init__(self, cache: Any, sample_ids: Any, max_blocks: int | None):
+        self.cache, self.sample_ids, self.max_blocks = cache, sample_ids, max_blocks
+
+    def evaluate(self, model: nn.Module) -> dict[str, Any]:
+        from .evaluate import teacher_forced_eval
+
+        t0 = time.perf_counter()
+        res = teacher_forced_eval(model, self.cache, self.sample_ids, max_blocks=self.max_blocks)
+        return {"eval/acceptance_length": res.acceptance_length, "eval/n_blocks": res.n_blocks,
+                "eval/seconds": time.perf_counter() - t0}
+
+
+def build_heldout_eval(cfg: PipelineConfig, cache: Any) -> HeldoutEval | None:
+    from .evaluate import holdout_sample_ids
+
+    ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction)
+    if len(ids) == 0:
+        log.warning("eval.every_steps is set but the cache has no held-out samples at loader.holdout_fraction=%s; "
+                    "periodic evaluation is off", cfg.loader.holdout_fraction)
+        return None
+    return HeldoutEval(cache, ids, cfg.eval.max_blocks)
+
+
 def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResult:
     """Train (or resume) a drafter on the cache at ``cache_url``, writing everything into ``run_dir``."""
     from dflash_cache import open_cache
@@ -449,6 +478,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     progress = _progress_bar(cfg, step, total_steps, d)
     batches = batch_stream(loader, cfg.train.epochs)
     stopped_by, stop_signal = "done", None
+    heldout = build_heldout_eval(cfg, cache) if cfg.eval.every_steps and d.is_main else None
 
     def save(at_step: int) -> dict[str, Any]:
         state = _training_state(at_step, optimizer, scheduler, loader, guard, cache, d)
@@ -472,6 +502,8 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
             if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop_signal:
                 record.update(save(step))
             record.update(_completed_saves(ckpt))
+            if heldout is not None and step % cfg.eval.every_steps == 0:
+                record.update(heldout.evaluate(model))
             now, cpu_now = time.perf_counter(), time.thread_time()
             record["step_time_s"] = now - t_prev
             record["perf/step_cpu_s"] = cpu_now - cpu_prev  # training thread only: robust to other load
