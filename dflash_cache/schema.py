@@ -142,8 +142,8 @@ class GuardsConfig(Section):
     min_history: int = Field(16, ge=4)
     z_threshold: float = Field(6.0, gt=0)
     # a spike must also be at least min_ratio x the window median: small tail batches have a
-    # naturally larger grad norm (a few x), explosions are orders of magnitude
-    min_ratio: float = Field(5.0, ge=1)
+    # naturally larger grad norm (measured up to ~9x the median on the tiny demo), explosions are orders of magnitude
+    min_ratio: float = Field(10.0, ge=1)
     max_consecutive_skips: int = Field(20, gt=0)
 
 

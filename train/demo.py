@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -117,6 +118,10 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--no-live", action="store_true", help="skip live speculative decoding")
     p.add_argument("--keep", action="store_true", help="resume into an existing --out instead of starting fresh")
     args = p.parse_args(argv)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # The tiny models' ops are far too small to split across threads: on a 2-core machine
+        # intra-op threads contend with the loader's reader threads and run several times slower.
+        torch.set_num_threads(1)
     out = Path(args.out)
     summary = run_demo(out, args.config, args.overrides, live=not args.no_live, fresh=not args.keep)
     _print_summary(summary, out)

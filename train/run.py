@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from dflash_cache.config import config_to_dict, load_config
 from dflash_cache.errors import DFlashError, SpecMismatchError
 from dflash_cache.schema import PipelineConfig, TrainConfig
+from dflash_cache.threads import budget_cpu_threads
 
 from .batch import Batch
 from .checkpoint import Checkpointer, LoadedCheckpoint
@@ -457,6 +458,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
 
     run_dir = Path(run_dir)
     d = build_distributed()
+    budget_cpu_threads(d.device, cfg.loader.num_readers)
     torch.manual_seed(cfg.train.seed)
     cache = open_cache(cache_url)
     model = build_model(cfg, cache, d.device)
