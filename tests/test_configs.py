@@ -64,3 +64,16 @@ def test_override_is_typed(tmp_path):
 def test_missing_config_file_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_readme_config_reference_lists_every_key():
+    from dflash_cache.schema import PipelineConfig
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [
+        f"{section}.{key}"
+        for section, field in PipelineConfig.model_fields.items()
+        for key in field.default_factory().__class__.model_fields
+        if f"| `{section}.{key}` |" not in readme
+    ]
+    assert not missing, f"README config reference lacks {missing}"
