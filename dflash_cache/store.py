@@ -172,9 +172,11 @@ class FeatureCache:
                 out[i] = s
         return out  # type: ignore[return-value]
 
-    def read_rows(self, part: PartInfo, rows: Sequence[int]) -> list[Sample]:
-        """Samples at positions ``rows`` of one part (the loader's batch path)."""
-        return self._readers.get(part).read_rows(rows)
+    def read_rows(self, part: PartInfo, rows: Sequence[int], out: Sequence[torch.Tensor] | None = None
+                  ) -> list[Sample]:
+        """Samples at positions ``rows`` of one part (the loader's batch path); ``out``: one bf16
+        ``[len, n*H]`` destination per row to decode the features into (no extra copy)."""
+        return self._readers.get(part).read_rows(rows, out=out)
 
     def read_tokens(self, part: PartInfo, start: int, stop: int) -> torch.Tensor:
         """Features of tokens ``[start, stop)`` of a part (a whole chunk range) as bf16 ``[L, n*H]``."""

@@ -275,3 +275,24 @@ def test_writer_finiteness_check_catches_every_non_finite_value(dtype):
         y = x.clone()
         y[17, 33] = bad
         assert not all_finite(y), bad
+
+
+def test_cache_read_rows_into_destinations_is_bitwise(tmp_path):
+    import torch
+
+    from dflash_cache import open_cache
+    from dflash_cache.synthetic import make_synthetic_cache
+
+    url = str(tmp_path / "c")
+    make_synthetic_cache(url, n_samples=12, hidden_size=32, num_layers=6, target_layer_ids=(1, 2, 3),
+                         vocab_size=64, max_length=256, median_length=60, seed=3)
+    cache = open_cache(url)
+    part = cache.parts()[0]
+    rows = list(range(part.n_samples))[::-1]
+    plain = cache.read_rows(part, rows)
+    outs = [torch.empty_like(s.features) for s in plain]
+    into = cache.read_rows(part, rows, out=outs)
+    for a, b, o in zip(plain, into, outs, strict=True):
+        assert a.sample_id == b.sample_id
+        assert torch.equal(a.features.view(torch.int16), o.view(torch.int16))
+        assert torch.equal(a.features.view(torch.int16), b.features.view(torch.int16))
