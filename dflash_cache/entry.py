@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .errors import DFlashError
 from .log import setup_logging
@@ -24,3 +25,14 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
         print("interrupted", file=sys.stderr)
         return 130
     return int(rc or 0)
+
+
+def dispatch(argv: Sequence[str] | None, subcommands: Mapping[str, str], default: str) -> int | None:
+    """Run ``<module>.cli_main(rest)`` for ``argv[0]`` in ``subcommands``, else ``<default>.cli_main(argv)``.
+
+    Modules are imported on use, so ``--help`` of one subcommand does not load the others' dependencies.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in subcommands:
+        return importlib.import_module(subcommands[args[0]]).cli_main(args[1:])
+    return importlib.import_module(default).cli_main(args)

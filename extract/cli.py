@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from dflash_cache.entry import run_cli
+from dflash_cache.entry import dispatch, run_cli
 
 SUBCOMMANDS = {
     "estimate": "extract.estimate",
@@ -13,20 +13,8 @@ SUBCOMMANDS = {
 }
 
 
-def _dispatch(argv: Sequence[str] | None) -> int | None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in SUBCOMMANDS:
-        import importlib
-
-        module = importlib.import_module(SUBCOMMANDS[args[0]])
-        return module.cli_main(args[1:])
-    from extract.run import cli_main
-
-    return cli_main(args)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(_dispatch, argv)
+    return run_cli(lambda args: dispatch(args, SUBCOMMANDS, "extract.run"), argv)
 
 
 if __name__ == "__main__":
