@@ -23,7 +23,6 @@ from dflash_cache.config import config_to_dict, load_config
 from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.log import process_rank
 from dflash_cache.schema import PipelineConfig
-from dflash_cache.threads import budget_cpu_threads
 
 from .batching import Batch, collate, plan_batches
 from .data import Record, load_records
@@ -174,7 +173,6 @@ class UnitRunner:
         self.layer_ids, self.writer, self.progress, self.report = layer_ids, writer, progress, report
         self.rank, self.world = 0, 1
         self.device = teacher_device(model)
-        budget_cpu_threads(self.device, cfg.extract.writer_threads)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
 
