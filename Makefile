@@ -10,7 +10,6 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 ifeq ($(HAS_GPU),1)
 	$(PIP) install -q "torch>=2.4"
 else
