@@ -46,6 +46,32 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
+def rank_gpu_group(local_rank: int, local_world_size: int, n_gpus: int) -> list[int]:
+    """The GPUs of this process when ``local_world_size`` processes share ``n_gpus`` GPUs of a node.
+
+    With ``teacher.device_map`` a teacher too big for one GPU spans a group: 8 GPUs and 4 processes
+    per node give each process 2 consecutive GPUs (rank 0: [0, 1], rank 1: [2, 3], ...).
+    """
+    if n_gpus < local_world_size or n_gpus % local_world_size:
+        raise ConfigError(
+            f"teacher.device_map: {local_world_size} processes on a node with {n_gpus} GPU(s) cannot split them "
+            "into equal groups; start a number of processes per node that divides the GPU count "
+            "(e.g. torchrun --nproc-per-node 4 for 8 GPUs and a teacher needing 2)"
+        )
+    size = n_gpus // local_world_size
+    return list(range(local_rank * size, (local_rank + 1) * size))
+
+
+def _group_max_memory() -> dict[Any, int] | None:
+    """``max_memory`` confining ``device_map`` placement to this process's GPU group (None: all GPUs)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world <= 1 or not torch.cuda.is_available():
+        return None
+    group = rank_gpu_group(int(os.environ.get("LOCAL_RANK", "0")), local_world, torch.cuda.device_count())
+    log.info("teacher placed over GPUs %s of this node (local rank %s)", group, os.environ.get("LOCAL_RANK", "0"))
+    return {i: torch.cuda.get_device_properties(i).total_memory for i in group}
+
+
 def load_tokenizer(teacher_cfg: TeacherConfig) -> Any:
     """The teacher's tokenizer (no weights are loaded)."""
     from transformers import AutoTokenizer
@@ -89,6 +115,9 @@ def load_teacher(teacher_cfg: TeacherConfig) -> tuple[nn.Module, Any]:
         kwargs["attn_implementation"] = teacher_cfg.attn_implementation
     if teacher_cfg.device_map:
         kwargs["device_map"] = teacher_cfg.device_map
+        max_memory = _group_max_memory()  # several processes per node: each spans its own GPU group
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:

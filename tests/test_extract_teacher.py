@@ -92,3 +92,14 @@ def test_layer_ids_out_of_range_is_a_clear_error():
         resolve_layer_ids(CacheConfig(target_layer_ids=[1, 6]), 6)
     with pytest.raises(ConfigError, match="strictly increasing"):
         resolve_layer_ids(CacheConfig(target_layer_ids=[3, 1]), 6)
+
+
+def test_gpu_groups_for_a_teacher_spanning_several_gpus():
+    from dflash_cache.errors import ConfigError
+    from extract.teacher import rank_gpu_group
+
+    assert [rank_gpu_group(r, 4, 8) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rank_gpu_group(0, 1, 8) == list(range(8))
+    assert rank_gpu_group(2, 3, 6) == [4, 5]
+    with pytest.raises(ConfigError, match="equal groups"):
+        rank_gpu_group(0, 3, 8)
