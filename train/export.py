@@ -28,6 +28,7 @@ from dflash_cache.config import validate
 from dflash_cache.errors import ConfigError, SpecMismatchError
 from dflash_cache.schema import PipelineConfig
 
+from .checkpoint import MANIFEST_FILE
 from .model import (
     METADATA_KEY,
     DFlashConfig,
@@ -40,7 +41,6 @@ from .model import (
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FILE = "manifest.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
