@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.schema import CheckpointConfig
+from dflash_cache.runtime.schema import CheckpointConfig
 from train.checkpoint import Checkpointer, Snapshot, _Snapshotter, write_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_cache.config import load_config  # noqa: E402
+from dflash_cache.runtime.config import load_config  # noqa: E402
 from train.attention import BlockLayout  # noqa: E402
 from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
 from train.objective import build_blocks, dflash_loss, eligible_anchors, sample_anchors  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache.config import load_config  # noqa: E402
+from dflash_cache.runtime.config import load_config  # noqa: E402
 from extract.batching import collate, plan_batches  # noqa: E402
 from extract.run import run_extraction  # noqa: E402
 from extract.teacher import capture_features, load_teacher  # noqa: E402

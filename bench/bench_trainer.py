@@ -3,7 +3,7 @@
 Figures are per-step medians; with ``--threads 1`` (default) the training-thread CPU time is the
 primary figure, since wall time on a shared 2-core machine swings by 2-5x with other load.
 
-The full trainer is ``train.run.train`` (loader, guards, metrics to TensorBoard + JSONL every step,
+The full trainer is ``train.loop.train`` (loader, guards, metrics to TensorBoard + JSONL every step,
 checkpoints every ``--ckpt-every`` steps, progress bar off); its per-step wall time comes from
 ``metrics.jsonl`` (``step_time_s``). The bare loop runs the same model config on the batches the
 same loader yields, already in memory. "loop" is the trainer fed those in-memory batches (its own
@@ -24,13 +24,15 @@ from pathlib import Path
 
 import torch
 
-import train.run as run_mod
+import train.loop as loop_mod
 from dflash_cache import open_cache
-from dflash_cache.config import load_config
+from dflash_cache.runtime.config import load_config
+from dflash_cache.runtime.dist import Distributed
 from dflash_cache.synthetic import make_synthetic_cache
+from train.build import autocast_context, batch_stream, build_loader, build_model
+from train.loop import train
 from train.metrics import read_metrics
 from train.objective import dflash_loss
-from train.run import DistInfo, autocast_context, batch_stream, build_loader, build_model, train
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,9 +41,9 @@ WARMUP = 3
 
 def bare_step_times(cfg, cache, batches: list) -> tuple[list[float], list[float]]:
     """Wall and training-thread CPU seconds per step of a bare fwd/bwd/clip/AdamW loop."""
-    d = DistInfo()
+    d = Distributed()
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, cache, d.device)
+    model = build_model(cfg.model, cache, d.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.betas)
     times, cpu = [], []
@@ -80,9 +82,13 @@ class InMemoryLoader:
     def load_state_dict(self, state: dict) -> None:
         self.epoch = state["epoch"]
 
+    def close(self) -> None:
+        pass
+
 
 def collect_batches(cfg, cache, n: int) -> list:
-    loader = build_loader(cfg, cache, DistInfo())  # batches stay on the host; each loop moves them
+    # batches stay on the host; each loop moves them
+    loader = build_loader(cfg.loader, cache, Distributed(), seed=cfg.train.seed, epochs=cfg.train.epochs)
     out = []
     for b in batch_stream(loader, cfg.train.epochs):
         out.append(b)
@@ -95,13 +101,13 @@ def collect_batches(cfg, cache, n: int) -> list:
 def full_step_times(cfg, url: str, run_dir: Path, batches: list | None) -> tuple[list[float], list[float], list[float]]:
     """Per-step wall and training-thread CPU seconds of ``train()``, and checkpoint blocking ms;
     ``batches``: use an in-memory loader over them."""
-    original = run_mod.build_loader
+    original = loop_mod.build_loader
     if batches is not None:
-        run_mod.build_loader = lambda cfg, cache, d: InMemoryLoader(batches, cfg.train.epochs)
+        loop_mod.build_loader = lambda loader_cfg, cache, d, seed, epochs: InMemoryLoader(batches, epochs)
     try:
         train(cfg, url, run_dir)
     finally:
-        run_mod.build_loader = original
+        loop_mod.build_loader = original
     recs = read_metrics(run_dir)
     return ([r["step_time_s"] for r in recs][WARMUP:], [r["perf/step_cpu_s"] for r in recs][WARMUP:],
             [r["ckpt_blocking_ms"] for r in recs if "ckpt_blocking_ms" in r])

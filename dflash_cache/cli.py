@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_cache.entry import run_cli
+from dflash_cache.runtime.entry import run_cli
 
 
 def cache_summary(url: str) -> dict[str, Any]:

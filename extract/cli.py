@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from dflash_cache.entry import dispatch, run_cli
+from dflash_cache.runtime.entry import dispatch, run_cli
 
 SUBCOMMANDS = {
     "estimate": "extract.estimate",

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash_cache.buckets import bucket_of
-from dflash_cache.schema import PipelineConfig
+from dflash_cache.runtime.schema import PipelineConfig
 
 from .data import load_records
 from .progress import human_bytes

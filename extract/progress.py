@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 from tqdm import tqdm
 
-from .dist import DistContext, SharedCounters
+from dflash_cache.runtime.dist import Distributed
 
 _REFRESH_S = 1.0
 
@@ -20,10 +21,35 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+class SharedCounters:
+    """Each rank publishes its counters to the job's key-value store; rank 0 reads everyone's (no collective,
+    so no rank ever waits for another to draw the bar)."""
+
+    def __init__(self, ctx: Distributed):
+        self.ctx = ctx
+        self._store = ctx.store
+
+    def publish(self, counts: dict[str, float]) -> None:
+        if self._store is not None:
+            self._store.set(f"dflash-progress/{self.ctx.rank}", json.dumps(counts))
+
+    def totals(self, own: dict[str, float]) -> dict[str, float]:
+        out = dict(own)
+        if self._store is None:
+            return out
+        for r in range(self.ctx.world_size):
+            key = f"dflash-progress/{r}"
+            if r == self.ctx.rank or not self._store.check([key]):
+                continue
+            for k, v in json.loads(self._store.get(key)).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+
 class ExtractProgress:
     """Counters updated by the compute loop and writer threads; rank 0 draws the aggregated bar."""
 
-    def __init__(self, ctx: DistContext, total_samples: int, enabled: bool = True):
+    def __init__(self, ctx: Distributed, total_samples: int, enabled: bool = True):
         self.ctx = ctx
         self.counts = {"samples": 0.0, "tokens": 0.0, "bytes": 0.0, "committed_samples": 0.0}
         self._lock = threading.Lock()

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_cache.errors import DataError
-from dflash_cache.schema import PipelineConfig, RegenerateConfig
+from dflash_cache.runtime.schema import PipelineConfig, RegenerateConfig
 
 from .data import load_records
 from .run import load_run_config, template_options

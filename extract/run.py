@@ -19,14 +19,15 @@ from typing import Any
 import torch
 
 from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
-from dflash_cache.config import config_to_dict, load_config
 from dflash_cache.errors import CacheError, ConfigError
-from dflash_cache.log import process_rank
-from dflash_cache.schema import PipelineConfig
+from dflash_cache.runtime.config import config_to_dict, load_config
+from dflash_cache.runtime.dist import Distributed
+from dflash_cache.runtime.log import process_rank
+from dflash_cache.runtime.schema import PipelineConfig
+from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .batching import Batch, collate, plan_batches
 from .data import Record, load_records
-from .dist import DistContext
 from .progress import ExtractProgress, human_bytes
 from .teacher import (
     capture_features,
@@ -124,7 +125,7 @@ def save_head(cache: Any, model: Any) -> None:
     cache.save_head(embed, None if tied else head)
 
 
-def open_output(ctx: DistContext, url: str, spec: CacheSpec, cfg: PipelineConfig, model: Any) -> Any:
+def open_output(ctx: Distributed, url: str, spec: CacheSpec, cfg: PipelineConfig, model: Any) -> Any:
     """Rank 0 creates (or re-opens) the cache, clears leftovers, writes metadata and the head."""
     cache = None
     if ctx.rank == 0:
@@ -251,14 +252,16 @@ def group_by_unit(records: list[Record], unit_size: int) -> dict[int, list[Recor
 def run_extraction(cfg: PipelineConfig, out_url: str, progress: bool = True) -> ExtractReport:
     """Extract teacher features for every sample of ``cfg.data`` into the cache at ``out_url``."""
     t_start = time.perf_counter()
-    ctx = DistContext.from_env()
+    ctx = Distributed.start()
+    budget_cpu_threads(ctx.device, 0, ctx.local_world_size)  # compute-bound: the writers need no reserved core
+    log.info("extraction: %s", ctx.describe())
     try:
         return _run(cfg, out_url, ctx, progress, t_start)
     finally:
         ctx.close()
 
 
-def _run(cfg: PipelineConfig, out_url: str, ctx: DistContext, show: bool, t_start: float) -> ExtractReport:
+def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_start: float) -> ExtractReport:
     data = load_records(cfg.data.path, cfg.data.skip_bad)
     model, tokenizer = load_teacher(cfg.teacher)
     if any(not r.pretokenized for r in data.records):
@@ -270,7 +273,7 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: DistContext, show: bool, t_star
     complete = complete_units(cache)
     partial = committed_units(cache)
     by_unit = group_by_unit(data.records, unit_size)
-    mine = [u for u in range(n_units) if u % ctx.world == ctx.rank and u not in complete]
+    mine = [u for u in range(n_units) if u % ctx.world_size == ctx.rank and u not in complete]
     todo_total = sum(len(by_unit.get(u, [])) for u in range(n_units) if u not in complete)
     report = ExtractReport(units_total=n_units, units_skipped=len(complete), n_bad=len(data.bad) if ctx.rank == 0 else 0)
     bar = ExtractProgress(ctx, todo_total, enabled=show)
@@ -279,8 +282,8 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: DistContext, show: bool, t_star
                                   samples=info.n_samples, committed_samples=info.n_samples,
                                   bytes=sum(int(a.get("stored_bytes", 0)) for a in info.arrays.values())))
     runner = UnitRunner(cfg, model, tokenizer, cache, layer_ids, writer, bar, report)
-    runner.rank, runner.world = ctx.rank, ctx.world
-    log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world, len(mine),
+    runner.rank, runner.world = ctx.rank, ctx.world_size
+    log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world_size, len(mine),
              n_units, len(complete))
     t_loop = time.perf_counter()
     try:
@@ -300,17 +303,17 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: DistContext, show: bool, t_star
     return _finish(ctx, cache, report)
 
 
-def _finish(ctx: DistContext, cache: Any, report: ExtractReport) -> ExtractReport:
+def _finish(ctx: Distributed, cache: Any, report: ExtractReport) -> ExtractReport:
     own_wall, own_fwd, own_loop = report.wall_s, report.forward_s, report.loop_s
     total = ctx.sum_counts(report.counts())
     for k, v in total.items():
         setattr(report, k, type(getattr(report, k))(v))
-    report.units_total, report.units_skipped = int(total["units_total"] / ctx.world), int(
-        total["units_skipped"] / ctx.world)
+    report.units_total, report.units_skipped = int(total["units_total"] / ctx.world_size), int(
+        total["units_skipped"] / ctx.world_size)
     report.wall_s, report.forward_s, report.loop_s = own_wall, own_fwd, own_loop  # per-process, not sums
     if ctx.rank == 0:
         cache.write_metadata("extract_report", {**report.counts(), "padding_fraction": report.padding_fraction,
-                                                "world_size": ctx.world})
+                                                "world_size": ctx.world_size})
     ctx.barrier()
     return report
 

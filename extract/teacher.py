@@ -9,7 +9,6 @@ so neither the remaining layers nor the vocabulary logits are computed.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,8 @@ import torch
 from torch import nn
 
 from dflash_cache.errors import ConfigError
-from dflash_cache.schema import CacheConfig, TeacherConfig
+from dflash_cache.runtime.dist import launcher_env
+from dflash_cache.runtime.schema import CacheConfig, TeacherConfig
 
 from .tiny import BUILTIN_TEACHER, resolve_tiny_teacher
 
@@ -42,7 +42,7 @@ def resolve_device(device: str) -> torch.device:
     if device != "auto":
         return torch.device(device)
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        return torch.device("cuda", launcher_env().local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -64,11 +64,11 @@ def rank_gpu_group(local_rank: int, local_world_size: int, n_gpus: int) -> list[
 
 def _group_max_memory() -> dict[Any, int] | None:
     """``max_memory`` confining ``device_map`` placement to this process's GPU group (None: all GPUs)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if local_world <= 1 or not torch.cuda.is_available():
+    env = launcher_env()
+    if env.local_world_size <= 1 or not torch.cuda.is_available():
         return None
-    group = rank_gpu_group(int(os.environ.get("LOCAL_RANK", "0")), local_world, torch.cuda.device_count())
-    log.info("teacher placed over GPUs %s of this node (local rank %s)", group, os.environ.get("LOCAL_RANK", "0"))
+    group = rank_gpu_group(env.local_rank, env.local_world_size, torch.cuda.device_count())
+    log.info("teacher placed over GPUs %s of this node (local rank %d)", group, env.local_rank)
     return {i: torch.cuda.get_device_properties(i).total_memory for i in group}
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cache.schema import CheckpointConfig
+from dflash_cache.runtime.schema import CheckpointConfig
 from train.checkpoint import (
     MANIFEST_FILE,
     Checkpointer,

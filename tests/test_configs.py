@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_cache.config import load_config
 from dflash_cache.errors import ConfigError
+from dflash_cache.runtime.config import load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -67,7 +67,7 @@ def test_missing_config_file_is_clear(tmp_path):
 
 
 def test_readme_config_reference_lists_every_key():
-    from dflash_cache.schema import PipelineConfig
+    from dflash_cache.runtime.schema import PipelineConfig
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     missing = [

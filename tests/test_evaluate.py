@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cache.config import config_to_dict
-from dflash_cache.schema import CheckpointConfig, ModelConfig, PipelineConfig, TeacherConfig
+from dflash_cache.runtime.config import config_to_dict
+from dflash_cache.runtime.schema import CheckpointConfig, ModelConfig, PipelineConfig, TeacherConfig
 from train.checkpoint import Checkpointer
 from train.evaluate import (
     _sample_batch,

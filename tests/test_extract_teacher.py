@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_cache.errors import ConfigError
-from dflash_cache.schema import CacheConfig
+from dflash_cache.runtime.schema import CacheConfig
 from extract.teacher import (
     LayerCapture,
     capture_features,

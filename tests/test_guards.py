@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from dflash_cache.schema import GuardsConfig
+from dflash_cache.runtime.schema import GuardsConfig
 from train.guards import SpikeGuard, robust_z
 
 

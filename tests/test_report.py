@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,11 +46,11 @@ def test_report_on_a_run_with_injected_spike_and_nan(tmp_path, capsys):
                          vocab_size=512, max_length=256, median_length=64, seed=1)
     run = tmp_path / "run"
     sets = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.tokens_per_batch=512",
-            "train.num_anchors=16", "train.max_steps=14", "checkpoint.every_steps=5", "guards.min_history=4",
-            "train.inject_nan_steps=[7]", "train.inject_spike_steps=[12]"]
+            "train.num_anchors=16", "train.max_steps=14", "checkpoint.every_steps=5", "guards.min_history=4"]
     cmd = [sys.executable, "-m", "train.cli", str(ROOT / "configs" / "tiny.toml"), "--cache", cache,
            "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    env = dict(os.environ, DFLASH_TEST_FAULTS='{"nan_steps": [7], "spike_steps": [12]}')
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     png = tmp_path / "report.png"

@@ -13,9 +13,9 @@ from train.metrics import read_metrics
 
 @pytest.mark.gpu
 def test_train_on_gpu_with_bf16_autocast_and_resume(tmp_path):
-    from dflash_cache.config import load_config
+    from dflash_cache.runtime.config import load_config
     from dflash_cache.synthetic import make_synthetic_cache
-    from train.run import train
+    from train.loop import train
 
     cache = str(tmp_path / "cache")
     make_synthetic_cache(cache, n_samples=48, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),

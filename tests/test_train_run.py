@@ -134,7 +134,7 @@ def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(cache, tmp_path
 def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path):
     run = tmp_path / "run"
     _run(cache, run, "train.max_steps=10", "checkpoint.every_steps=1", "checkpoint.keep_last=20",
-         "train.inject_nan_steps=[5]", "train.inject_spike_steps=[9]", "guards.min_history=4")
+         "guards.min_history=4", DFLASH_TEST_FAULTS='{"nan_steps": [5], "spike_steps": [9]}')
     recs = {r["step"]: r for r in read_metrics(run)}
     assert sorted(recs) == list(range(1, 11))
     assert recs[5]["skipped"] == 1 and recs[5]["skip_reason"] == "nonfinite_loss" and recs[5]["loss"] == "nan"
@@ -161,7 +161,7 @@ def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path):
 def test_consecutive_skips_stop_with_distinct_exit_code(cache, tmp_path):
     run = tmp_path / "run"
     proc = _run(cache, run, "train.max_steps=20", "checkpoint.every_steps=2", "guards.max_consecutive_skips=3",
-                "train.inject_nan_steps=[5,6,7]", expect=3)
+                expect=3, DFLASH_TEST_FAULTS='{"nan_steps": [5, 6, 7]}')
     assert "3 consecutive steps were skipped" in proc.stderr
     assert "step-00000004" in proc.stderr  # where the last good checkpoint is
     assert max(_losses(run)) == 7

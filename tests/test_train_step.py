@@ -7,11 +7,13 @@ import math
 import pytest
 import torch
 
-from dflash_cache.schema import GuardsConfig, TrainConfig
+from dflash_cache.runtime.dist import Distributed
+from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
+from train.build import LossModule, build_optimizer, build_scheduler, lr_lambda
 from train.guards import SpikeGuard
 from train.model import DFlashConfig, DFlashDrafter
-from train.run import DistInfo, LossModule, build_optimizer, build_scheduler, lr_lambda, train_step
+from train.step import FaultPlan, train_step
 
 H, V, NL = 32, 64, 2
 
@@ -64,7 +66,7 @@ def test_normal_steps_update_and_follow_schedule():
     before = _snapshot(model, opt)
     lrs = []
     for step in range(1, 4):
-        res = train_step(step, [_batch(step)], lm, opt, sched, guard, tcfg, DistInfo())
+        res = train_step(step, [_batch(step)], lm, opt, sched, guard, tcfg, Distributed())
         assert not res.verdict.skip and math.isfinite(res.loss) and res.grad_norm > 0
         assert 1.0 <= res.metrics["acceptance_length"] <= 4.0
         assert len(res.metrics["accuracy_per_position"]) == 3
@@ -77,27 +79,28 @@ def test_normal_steps_update_and_follow_schedule():
 
 @pytest.mark.parametrize("kind", ["nan", "spike"])
 def test_injected_fault_is_skipped_bitwise(kind):
-    model, tcfg, opt, sched, guard, lm = _setup(
-        inject_nan_steps=[6] if kind == "nan" else [], inject_spike_steps=[6] if kind == "spike" else [])
+    model, tcfg, opt, sched, guard, lm = _setup()
+    faults = FaultPlan(nan_steps=frozenset({6} if kind == "nan" else ()),
+                       spike_steps=frozenset({6} if kind == "spike" else ()))
     for step in range(1, 6):
-        assert not train_step(step, [_batch(step)], lm, opt, sched, guard, tcfg, DistInfo()).verdict.skip
+        assert not train_step(step, [_batch(step)], lm, opt, sched, guard, tcfg, Distributed(), faults).verdict.skip
     before = _snapshot(model, opt)
     sched_before = sched.state_dict()
     window_before = guard.state_dict()
-    res = train_step(6, [_batch(6)], lm, opt, sched, guard, tcfg, DistInfo())
+    res = train_step(6, [_batch(6)], lm, opt, sched, guard, tcfg, Distributed(), faults)
     assert res.verdict.skip
     assert res.verdict.reason == ("nonfinite_loss" if kind == "nan" else "grad_norm_spike")
     assert _bitwise_same(before, _snapshot(model, opt))
     assert sched.state_dict() == sched_before
     assert guard.total_skips == 1 and list(guard.grad_norms) == window_before["grad_norms"]
     # the next (clean) step proceeds with the lr the skipped step would have used
-    res7 = train_step(7, [_batch(7)], lm, opt, sched, guard, tcfg, DistInfo())
+    res7 = train_step(7, [_batch(7)], lm, opt, sched, guard, tcfg, Distributed(), faults)
     assert not res7.verdict.skip and res7.lr == res.lr
 
 
 def test_grad_accum_equals_mean_of_micro_batches():
     model, tcfg, opt, sched, guard, lm = _setup(grad_accum=2)
-    res = train_step(1, [_batch(1), _batch(2)], lm, opt, sched, guard, tcfg, DistInfo())
+    res = train_step(1, [_batch(1), _batch(2)], lm, opt, sched, guard, tcfg, Distributed())
     ref = _drafter()
     lref = LossModule(ref, 4, None)
     losses = [lref(_batch(i))[0].item() for i in (1, 2)]

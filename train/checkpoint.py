@@ -39,7 +39,8 @@ from safetensors.torch import save as st_save
 
 from dflash_cache.codecs import crc32c
 from dflash_cache.errors import DFlashError
-from dflash_cache.schema import CheckpointConfig
+from dflash_cache.runtime.schema import CheckpointConfig
+from dflash_cache.runtime.switches import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ def _json_bytes(obj: Any) -> bytes:
 
 def write_checkpoint(root: Path, snap: Snapshot) -> Path:
     """Write ``snap`` to ``root/step-N.tmp``, fsync, manifest last, rename to ``root/step-N``."""
-    delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+    delay = float(env_switch(WRITE_DELAY_ENV, "0") or 0)
     final = root / step_dir_name(snap.step)
     tmp = root / (final.name + ".tmp")
     if tmp.exists():

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from dflash_cache.entry import run_cli
 from dflash_cache.errors import DFlashError
+from dflash_cache.runtime.entry import run_cli
 
 log = logging.getLogger("dflash.demo")
 
@@ -50,7 +50,7 @@ def _untrained_drafter(cfg: Any, cache: Any) -> Any:
 def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Path, live: bool) -> dict[str, Any]:
     """Held-out teacher-forced τ of the trained and an untrained drafter, and live τ of the trained one."""
     from dflash_cache import open_cache
-    from dflash_cache.config import load_config
+    from dflash_cache.runtime.config import load_config
 
     from .evaluate import holdout_sample_ids, load_for_eval, run_live, teacher_forced_eval
 

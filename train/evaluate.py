@@ -296,7 +296,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     from dflash_cache import open_cache
-    from dflash_cache.config import load_config
+    from dflash_cache.runtime.config import load_config
 
     args = _parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)

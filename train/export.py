@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash_cache.config import validate
 from dflash_cache.errors import ConfigError, SpecMismatchError
-from dflash_cache.schema import PipelineConfig
+from dflash_cache.runtime.config import validate
+from dflash_cache.runtime.schema import PipelineConfig
 
 from .checkpoint import MANIFEST_FILE
 from .model import (

@@ -45,7 +45,7 @@ import torch
 
 from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
 from dflash_cache.reader import PartReaderCache
-from dflash_cache.schema import LoaderConfig
+from dflash_cache.runtime.schema import LoaderConfig
 
 from .batch import Batch, BatchBufferPool, carve_batch, host_buffer, padded_nbytes
 from .plan import EpochPlan, PlannedBatch, PlanSettings, build_plan

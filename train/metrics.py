@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.schema import MetricsConfig
+from dflash_cache.runtime.schema import MetricsConfig
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .log import setup_logging
 
 log = logging.getLogger("dflash")

@@ -1,7 +1,7 @@
 """TOML config loading with dotted ``--set`` overrides, validated by one pydantic schema.
 
 Both stages use this: ``load_config(path, overrides)`` returns a validated
-:class:`~dflash_cache.schema.PipelineConfig`; every problem is reported at once, each with
+:class:`~dflash_cache.runtime.schema.PipelineConfig`; every problem is reported at once, each with
 its dotted path (``train.lr: Input should be greater than 0``).
 """
 
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
 

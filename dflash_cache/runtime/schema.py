@@ -106,11 +106,6 @@ class TrainConfig(Section):
     num_anchors: int = Field(512, gt=0)
     loss_gamma: float | None = Field(None, gt=0)  # None: 7 for B=16, 5 for B=10, 4 for B=8
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    # Fault injection for tests and drills (real code path, off by default): the loss of each listed
-    # step is replaced by NaN, or multiplied by inject_spike_scale, before backward.
-    inject_nan_steps: list[int] = Field(default_factory=list)
-    inject_spike_steps: list[int] = Field(default_factory=list)
-    inject_spike_scale: float = 1e6
 
 
 class LoaderConfig(Section):

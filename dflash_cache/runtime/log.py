@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from .dist import launcher_env
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def process_rank() -> int:
     """Global rank from the launcher's environment (0 when not launched distributed)."""
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    return launcher_env().rank
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -1,0 +1,151 @@
+"""One distributed set-up for both stages: the launcher's environment, the process group, the device.
+
+``torchrun`` and ``accelerate launch`` start one process per GPU (or per CPU slot) and describe the job
+in the same environment variables: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
+(plus ``MASTER_ADDR``/``MASTER_PORT`` for the rendezvous). :func:`launcher_env` is the only place that
+reads them; :meth:`Distributed.start` joins the process group (``gloo`` on CPU; ``nccl`` for CUDA
+tensors with ``gloo`` beside it for CPU objects), pins the process to its GPU, and keeps the
+rendezvous key-value store (rank 0 reads the other ranks' progress counters from it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# A collective waits at most this long for the slowest rank. Long on purpose: extraction ranks reach
+# the final reduction after their last unit, which can be hours apart on unequal hardware or data,
+# and torchrun / accelerate already tear the group down when a rank dies.
+COLLECTIVE_TIMEOUT = timedelta(hours=24)
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+
+def launcher_env() -> LauncherEnv:
+    """The job as ``torchrun`` / ``accelerate launch`` describe it (a single process when absent)."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    return LauncherEnv(
+        rank=int(env.get("RANK", "0")),
+        world_size=world,
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+    )
+
+
+@dataclass
+class Distributed:
+    """This process's place in the job and the collectives both stages use."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    store: Any = None  # the rendezvous key-value store (None for a single process)
+    _initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1 and dist.is_initialized()
+
+    @classmethod
+    def start(cls, use_cuda: bool | None = None) -> Distributed:
+        """Join the launcher's process group (if any) and pick this process's device.
+
+        ``use_cuda``: None = CUDA when available. With CUDA the process is pinned to GPU
+        ``LOCAL_RANK % device_count`` (several processes may share a node's GPUs)."""
+        env = launcher_env()
+        cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        device = torch.device("cpu")
+        if cuda:
+            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        d = cls(env.rank, env.world_size, env.local_rank, env.local_world_size, device)
+        if env.world_size > 1 and not dist.is_initialized():
+            # the rendezvous the launcher prepared (env://); its store is kept for the progress counters
+            store, rank, world = next(dist.rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
+            store.set_timeout(COLLECTIVE_TIMEOUT)
+            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+            # the same key prefix init_process_group(init_method="env://") would use
+            dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                    world_size=world, timeout=COLLECTIVE_TIMEOUT)
+            d.store, d._initialized_here = store, True
+        return d
+
+    def describe(self) -> str:
+        """One line for the start-up log: world size, backend, device."""
+        backend = dist.get_backend() if self.enabled else "none"
+        return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}), "
+                f"backend {backend}, device {self.device}")
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """``value`` of every rank, indexed by rank (a collective: every rank calls it at the same point).
+        Only for small JSON-able states of our own processes."""
+        if not self.enabled:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def broadcast_object(self, value: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``value`` on every rank."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def sum_counts(self, counts: dict[str, float]) -> dict[str, float]:
+        """Element-wise sum of ``counts`` over ranks (same keys on every rank)."""
+        if not self.enabled:
+            return dict(counts)
+        keys = sorted(counts)
+        t = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64, device=self._collective_device())
+        dist.all_reduce(t)
+        return dict(zip(keys, t.cpu().tolist(), strict=True))
+
+    def max_int(self, value: int) -> int:
+        """The largest ``value`` over ranks."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over ranks in place (returns it)."""
+        if self.enabled:
+            dist.all_reduce(t)
+        return t
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def close(self) -> None:
+        """Leave the process group if this object joined it."""
+        if self._initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+        self._initialized_here = False

@@ -1,0 +1,35 @@
+"""Every ``DFLASH_*`` environment switch, in one place.
+
+Settings a user chooses live in the config (TOML + ``--set``). The few switches below are for where a
+config does not reach (the built-in teacher's location) or must not (test hooks and benchmark-only
+speed switches). Code reads them only through :func:`env_switch`, so an unregistered name is a bug,
+and ``docs/environment.md`` is checked against this table by the test suite.
+"""
+
+from __future__ import annotations
+
+import os
+
+SWITCHES: dict[str, str] = {
+    "DFLASH_HOME": "Directory where built-in tiny teachers are built on first use "
+                   "(default: `$XDG_CACHE_HOME/dflash-pipeline`, i.e. `~/.cache/dflash-pipeline`).",
+    "DFLASH_CACHE_FSYNC": "`0` skips fsync of cache files: commits stay atomic but are not durable across a "
+                          "power loss. For benchmarks and scratch caches only.",
+    "DFLASH_CACHE_ENCODE_THREADS": "Threads that compress the inner chunks of a shard when writing "
+                                   "(default: min(4, CPU count)).",
+    "DFLASH_CACHE_CRC": "`google` forces the `google-crc32c` checksum library even when the faster "
+                        "`crc32c` package (the `fast` extra) is installed. Both compute the same values.",
+    "DFLASH_TEST_CKPT_WRITE_DELAY_S": "Test hook: seconds the checkpoint writer sleeps after each file, to "
+                                      "widen the window in which a kill lands mid-save. Never set in production.",
+    "DFLASH_TEST_FAULTS": "Test and drill hook: a JSON object `{\"nan_steps\": [...], \"spike_steps\": [...], "
+                          "\"spike_scale\": 1e6}`; the loss of the listed training steps becomes NaN or is "
+                          "multiplied before backward, on the real code path (exercises the guards). "
+                          "Never set in production.",
+}
+
+
+def env_switch(name: str, default: str | None = None) -> str | None:
+    """The value of a registered ``DFLASH_*`` switch (``default`` when unset)."""
+    if name not in SWITCHES:
+        raise KeyError(f"{name} is not a registered DFLASH_* switch; add it to dflash_cache.runtime.switches")
+    return os.environ.get(name, default)

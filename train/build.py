@@ -1,0 +1,117 @@
+"""Assembly of a training run: each ``build_*`` takes its own config section and returns one component.
+
+``train.loop.train`` calls these once at start-up; tests and benchmarks call them directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dflash_cache.errors import DFlashError
+from dflash_cache.runtime.dist import Distributed
+from dflash_cache.runtime.schema import LoaderConfig, ModelConfig, TrainConfig
+
+from .batch import Batch
+
+
+def build_model(model_cfg: ModelConfig, cache: Any, device: torch.device) -> nn.Module:
+    """The drafter on ``device`` in fp32 (master weights); only its own layers are trainable."""
+    from .model import build_drafter
+
+    model = build_drafter(model_cfg, cache.spec, cache.load_head()).to(device)
+    for p in model.parameters():  # fp32 master weights; the frozen head buffers keep their dtype (memory)
+        p.data = p.data.float()
+    # the frozen embedding / lm_head are buffers; make sure nothing else sneaks in as trainable
+    model.embed_tokens.requires_grad_(False)
+    model.lm_head.requires_grad_(False)
+    return model
+
+
+def drafter_metadata(model: nn.Module) -> dict[str, str]:
+    """Stored in every checkpoint's model.safetensors: export needs no cache to rebuild the drafter."""
+    from .model import METADATA_KEY
+
+    return {METADATA_KEY: model.config.to_json()}
+
+
+def build_optimizer(train_cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay)
+
+
+def lr_lambda(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr for the ``step``-th applied update (0-based): linear warmup, cosine decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(train_cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    warmup = math.ceil(train_cfg.warmup_ratio * total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, total_steps, warmup, train_cfg.min_lr_ratio)
+    )
+
+
+def build_loader(loader_cfg: LoaderConfig, cache: Any, d: Distributed, *, seed: int, epochs: int) -> Any:
+    """The streaming loader over this rank's slice of the plan (batches land on the training device)."""
+    from .loader import StreamingLoader
+
+    return StreamingLoader(cache, loader_cfg, seed=seed, rank=d.rank, world_size=d.world_size, device=d.device,
+                           max_epochs=epochs)
+
+
+def batch_stream(loader: Any, epochs: int) -> Iterator[Batch]:
+    """Every remaining batch of this rank, epoch after epoch (the loader yields one epoch per pass)."""
+    while loader.epoch < epochs:
+        yield from loader
+
+
+def total_steps_for(train_cfg: TrainConfig, epoch_lengths: Sequence[int]) -> int:
+    """Optimizer steps of the run: all batches of all epochs over grad_accum, capped by max_steps."""
+    total = sum(epoch_lengths) // train_cfg.grad_accum
+    if total < 1:
+        raise DFlashError(
+            f"the run has {sum(epoch_lengths)} batches per rank, fewer than train.grad_accum="
+            f"{train_cfg.grad_accum}; lower train.grad_accum or loader.tokens_per_batch, or add data"
+        )
+    return min(total, train_cfg.max_steps) if train_cfg.max_steps else total
+
+
+def autocast_context(train_cfg: TrainConfig, device: torch.device):
+    """bf16 autocast on GPU (auto/bf16); fp32 on CPU unless bf16 is asked for explicitly."""
+    use_bf16 = train_cfg.precision == "bf16" or (train_cfg.precision == "auto" and device.type == "cuda")
+    if not use_bf16:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+class LossModule(nn.Module):
+    """Wraps the drafter so DDP sees the whole loss computation as its forward."""
+
+    def __init__(self, drafter: nn.Module, num_anchors: int, gamma: float | None):
+        super().__init__()
+        self.drafter = drafter
+        self.num_anchors = num_anchors
+        self.gamma = gamma
+
+    def forward(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        from .objective import dflash_loss
+
+        out = dflash_loss(self.drafter, batch, num_anchors=self.num_anchors, gamma=self.gamma)
+        return out.loss, out.metrics
+
+
+def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) -> nn.Module:
+    module: nn.Module = LossModule(model, train_cfg.num_anchors, train_cfg.loss_gamma)
+    if d.enabled:
+        ids = [d.device.index] if d.device.type == "cuda" else None
+        module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
+    return module
