@@ -22,7 +22,7 @@ from train.evaluate import (
     teacher_forced_eval,
 )
 from train.model import DFlashConfig, DFlashDrafter, build_drafter
-from train.objective import build_blocks, eligible_anchors
+from train.objective import FlatBatch, build_blocks
 
 VOCAB, HIDDEN = 512, 64
 MODEL = dict(num_hidden_layers=1, block_size=8, mask_token_id=VOCAB - 1, num_attention_heads=4,
@@ -47,14 +47,14 @@ def drafter(cache):
 def _slow_tau(model, sample) -> tuple[int, int]:
     """One block per forward: (sum of leading correct rows, number of blocks)."""
     batch = _sample_batch(sample, torch.device("cpu"))
+    flat = FlatBatch.of(batch)
     accepted, n = 0, 0
-    for a in eligible_anchors(batch.loss_mask, batch.doc_ids)[0].nonzero().flatten().tolist():
-        anchors = torch.tensor([[a]])
-        blocks = build_blocks(batch, anchors, torch.ones_like(anchors, dtype=torch.bool), 8, VOCAB - 1)
+    for a in flat.eligible.nonzero().flatten().tolist():
+        blocks = build_blocks(flat, torch.tensor([a]), 8, VOCAB - 1)
         with torch.no_grad():
-            h = model(batch.features, blocks.block_ids, batch.position_ids, blocks.block_positions, blocks.layout)
+            h = model(batch.features, blocks.block_ids, blocks.block_positions, blocks.layout)
         pred = model.logits(h)[0].argmax(-1)
-        ok = (pred == blocks.targets[0, 0]) & blocks.row_valid[0, 0]
+        ok = (pred == blocks.targets[0]) & blocks.row_valid[0]
         k = 1
         while k < 8 and ok[k]:
             k += 1

@@ -7,30 +7,28 @@ import torch
 from fixtures.drafters import tiny_batch, tiny_drafter
 
 from train.attention import BlockLayout, flex_available
-from train.objective import dflash_loss, eligible_anchors, sample_anchors
+from train.objective import FlatBatch, dflash_loss, sample_anchors
 
 pytestmark = pytest.mark.skipif(not flex_available(), reason="FlexAttention needs torch >= 2.5")
 
 
-def _mask_from_flex(layout: BlockLayout, causal: bool, window: int | None) -> torch.Tensor:
-    bm = layout.flex(causal, window)
-    R, N, B, T = layout.num_rows, layout.num_blocks, layout.block_size, layout.context_len
-    b = torch.arange(R).view(R, 1, 1)
-    q = torch.arange(N * B).view(1, -1, 1)
-    kv = torch.arange(T + N * B).view(1, 1, -1)
-    return torch.vmap(lambda bb, qq, kk: bm.mask_mod(bb, torch.tensor(0), qq, kk))(
-        b.expand(R, N * B, T + N * B).flatten(), q.expand(R, -1, T + N * B).flatten(),
-        kv.expand(R, N * B, -1).flatten()).view(R, 1, N * B, T + N * B)
+def _mask_from_flex(layout: BlockLayout, within_block: str, window: int | None) -> torch.Tensor:
+    bm = layout.flex(within_block, window)
+    Q, K = layout.num_blocks * layout.block_size, layout.context_len + layout.num_blocks * layout.block_size
+    q = torch.arange(Q).view(-1, 1).expand(Q, K).flatten()
+    kv = torch.arange(K).view(1, -1).expand(Q, K).flatten()
+    zero = torch.tensor(0)
+    return torch.vmap(lambda qq, kk: bm.mask_mod(zero, zero, qq, kk))(q, kv).view(1, 1, Q, K)
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, 6), (True, None)])
-def test_flex_predicate_equals_dense_mask(causal, window):
+@pytest.mark.parametrize("within_block,window", [("bidirectional", None), ("causal", 6), ("bidirectional", 6),
+                                                  ("causal", None)])
+def test_flex_predicate_equals_dense_mask(within_block, window):
     batch = tiny_batch(rows=2, length=32, docs_per_row=2, seed=3)
-    g = torch.Generator().manual_seed(0)
-    anchors, valid = sample_anchors(eligible_anchors(batch.loss_mask, batch.doc_ids), 5, g)
-    valid[1, -1] = False
-    layout = BlockLayout(anchors, valid, batch.doc_ids, block_size=4)
-    assert torch.equal(_mask_from_flex(layout, causal, window), layout.dense(causal, window))
+    flat = FlatBatch.of(batch)
+    anchors = sample_anchors(flat.eligible, flat.docs, 5, torch.Generator().manual_seed(0))
+    layout = BlockLayout(anchors, flat.docs, flat.positions, block_size=4)
+    assert torch.equal(_mask_from_flex(layout, within_block, window), layout.dense(within_block, window))
 
 
 @pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])

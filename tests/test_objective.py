@@ -10,10 +10,13 @@ import torch.nn.functional as F
 from fixtures.drafters import tiny_batch, tiny_drafter
 
 from train.attention import BlockLayout
+from train.memory import peak_memory_bytes
 from train.objective import (
     Blocks,
+    FlatBatch,
     block_metrics,
     build_blocks,
+    chunked_cross_entropy,
     default_gamma,
     dflash_loss,
     eligible_anchors,
@@ -44,62 +47,80 @@ def test_eligible_anchors_need_both_positions_in_one_document():
     assert eligible_anchors(loss_mask, doc_ids)[0].nonzero().flatten().tolist() == [1, 5]
 
 
-def test_sample_anchors_are_eligible_unique_sorted_and_seeded():
+def _flat(batch):
+    return FlatBatch.of(batch)
+
+
+def test_sample_anchors_are_eligible_unique_sorted_and_seeded_per_document():
     batch = tiny_batch(rows=3, length=64, docs_per_row=2)
-    elig = eligible_anchors(batch.loss_mask, batch.doc_ids)
-    elig[2] = False
-    elig[2, [7, 40, 50]] = True  # row 2 has only 3 eligible positions
-    a1, v1 = sample_anchors(elig, 10, torch.Generator().manual_seed(1))
-    a2, v2 = sample_anchors(elig, 10, torch.Generator().manual_seed(1))
-    a3, _ = sample_anchors(elig, 10, torch.Generator().manual_seed(2))
-    assert torch.equal(a1, a2) and torch.equal(v1, v2)
+    flat = _flat(batch)
+    elig = flat.eligible.clone()
+    row2 = slice(128, 192)
+    elig[row2] = False
+    elig[[128 + 7, 128 + 40, 128 + 50]] = True  # row 2 has 3 eligible positions: 1 in doc 0, 2 in doc 1
+    a1 = sample_anchors(elig, flat.docs, 10, torch.Generator().manual_seed(1))
+    a2 = sample_anchors(elig, flat.docs, 10, torch.Generator().manual_seed(1))
+    a3 = sample_anchors(elig, flat.docs, 10, torch.Generator().manual_seed(2))
+    assert torch.equal(a1, a2)
     assert not torch.equal(a1, a3)  # another seed (epoch) draws other anchors
-    assert a1.shape == (3, 10)
-    assert v1.sum(1).tolist() == [10, 10, 3]
-    assert a1[2, :3].tolist() == [7, 40, 50]
-    for r in range(3):
-        picked = a1[r][v1[r]]
-        assert elig[r, picked].all()
-        assert picked.unique().numel() == picked.numel()
-        assert torch.equal(picked, picked.sort().values)
+    assert elig[a1].all() and a1.unique().numel() == a1.numel() and torch.equal(a1, a1.sort().values)
+    per_doc = torch.bincount(flat.docs[a1], minlength=6).tolist()
+    assert per_doc == [10, 10, 10, 10, 1, 2]  # min(num_anchors, eligible) for every document
+    assert a1[-3:].tolist() == [128 + 7, 128 + 40, 128 + 50]
 
 
 def test_sample_anchors_takes_every_eligible_position_when_there_are_few():
-    elig = torch.zeros(1, 20, dtype=torch.bool)
-    elig[0, [3, 9]] = True
-    anchors, valid = sample_anchors(elig, 512, torch.Generator().manual_seed(0))
-    assert anchors.tolist() == [[3, 9]] and valid.all()
+    elig = torch.zeros(20, dtype=torch.bool)
+    elig[[3, 9]] = True
+    anchors = sample_anchors(elig, torch.zeros(20, dtype=torch.long), 512, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == [3, 9]
+
+
+def test_packed_short_documents_get_their_own_anchors():
+    # one row holding 4 documents: anchors per row would have let the draw favour some of them;
+    # per document every document gets min(num_anchors, eligible)
+    batch = tiny_batch(rows=1, length=64, docs_per_row=4)  # 16 tokens each, 4-token prompts
+    flat = _flat(batch)
+    anchors = sample_anchors(flat.eligible, flat.docs, 5, torch.Generator().manual_seed(3))
+    assert torch.bincount(flat.docs[anchors]).tolist() == [5, 5, 5, 5]
 
 
 def test_blocks_stop_at_document_end_and_loss_mask():
     batch = tiny_batch(rows=1, length=40, docs_per_row=2)  # docs 0..19, 20..39; prompt = 4 tokens each
-    anchors = torch.tensor([[5, 16, 30]])
-    blocks = build_blocks(batch, anchors, torch.ones_like(anchors, dtype=torch.bool), 8, 95)
-    assert blocks.block_ids.view(3, 8)[:, 0].tolist() == batch.input_ids[0, [5, 16, 30]].tolist()
-    assert (blocks.block_ids.view(3, 8)[:, 1:] == 95).all()
-    assert blocks.block_positions.view(3, 8)[1].tolist() == list(range(16, 24))
-    assert blocks.block_positions.view(3, 8)[2].tolist() == list(range(10, 18))  # doc 1 restarts at 0
-    assert blocks.row_valid[0, 0].tolist() == [False] + [True] * 7
-    assert blocks.row_valid[0, 1].tolist() == [False, True, True, True, False, False, False, False]
-    assert torch.equal(blocks.targets[0, 0], batch.input_ids[0, 5:13])
+    anchors = torch.tensor([5, 16, 30])
+    blocks = build_blocks(_flat(batch), anchors, 8, 95)
+    assert blocks.block_ids[:, 0].tolist() == batch.input_ids[0, [5, 16, 30]].tolist()
+    assert (blocks.block_ids[:, 1:] == 95).all()
+    assert blocks.block_positions[1].tolist() == list(range(16, 24))
+    assert blocks.block_positions[2].tolist() == list(range(10, 18))  # doc 1 restarts at 0
+    assert blocks.row_valid[0].tolist() == [False] + [True] * 7
+    assert blocks.row_valid[1].tolist() == [False, True, True, True, False, False, False, False]
+    assert torch.equal(blocks.targets[0], batch.input_ids[0, 5:13])
 
 
-def _blocks_for(targets: torch.Tensor, row_valid: torch.Tensor, valid: torch.Tensor) -> Blocks:
-    R, N, B = targets.shape
-    layout = BlockLayout(torch.zeros(R, N, dtype=torch.long), valid, torch.zeros(R, 4), B)
-    return Blocks(layout, torch.zeros(R, N * B, dtype=torch.long), torch.zeros(R, N * B, dtype=torch.long),
+def test_blocks_never_run_into_the_next_row():
+    batch = tiny_batch(rows=2, length=20)
+    blocks = build_blocks(_flat(batch), torch.tensor([17]), 8, 95)  # row 0 ends at 19
+    assert blocks.row_valid[0].tolist() == [False, True, True, False, False, False, False, False]
+
+
+def _blocks_for(targets: torch.Tensor, row_valid: torch.Tensor) -> Blocks:
+    A, B = targets.shape
+    layout = BlockLayout(torch.zeros(A, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                         torch.arange(4), B)
+    return Blocks(layout, torch.zeros(A, B, dtype=torch.long), torch.zeros(A, B, dtype=torch.long),
                   targets, row_valid)
 
 
 def test_acceptance_length_is_exact_not_a_product_of_marginals():
     B = 5
-    targets = torch.zeros(1, 3, B, dtype=torch.long)
-    pred = torch.tensor([[[9, 0, 0, 0, 0],     # all 4 right -> tau 5
-                          [9, 0, 1, 0, 0],     # right, wrong, right, right -> tau 2
-                          [9, 1, 0, 0, 0]]])   # wrong first -> tau 1
-    row_valid = torch.ones(1, 3, B, dtype=torch.bool)
+    targets = torch.zeros(3, B, dtype=torch.long)
+    pred = torch.tensor([[9, 0, 0, 0, 0],     # all 4 right -> tau 5
+                         [9, 0, 1, 0, 0],     # right, wrong, right, right -> tau 2
+                         [9, 1, 0, 0, 0]])    # wrong first -> tau 1
+    row_valid = torch.ones(3, B, dtype=torch.bool)
     row_valid[..., 0] = False
-    m = block_metrics(pred, _blocks_for(targets, row_valid, torch.ones(1, 3, dtype=torch.bool)))
+    m = block_metrics(pred, _blocks_for(targets, row_valid))
     assert m["n_blocks"].item() == 3
     assert m["acceptance_length"].item() == pytest.approx((5 + 2 + 1) / 3)
     assert m["accuracy_per_position"].tolist() == pytest.approx([2 / 3, 2 / 3, 1.0, 1.0])
@@ -108,45 +129,87 @@ def test_acceptance_length_is_exact_not_a_product_of_marginals():
     assert marginal_tau != pytest.approx(m["acceptance_length"].item())
 
 
-def test_invalid_rows_end_the_run_and_invalid_blocks_do_not_count():
-    targets = torch.zeros(1, 2, 4, dtype=torch.long)
-    pred = torch.zeros(1, 2, 4, dtype=torch.long)  # everything "right"
-    row_valid = torch.tensor([[[False, True, True, False], [False, True, True, True]]])
-    valid = torch.tensor([[True, False]])
-    m = block_metrics(pred, _blocks_for(targets, row_valid, valid))
+def test_invalid_rows_end_the_run():
+    targets = torch.zeros(1, 4, dtype=torch.long)
+    pred = torch.zeros(1, 4, dtype=torch.long)  # everything "right"
+    row_valid = torch.tensor([[False, True, True, False]])
+    m = block_metrics(pred, _blocks_for(targets, row_valid))
     assert m["n_blocks"].item() == 1
     assert m["acceptance_length"].item() == 3.0  # rows 1, 2 right; row 3 is past the document
     assert m["position_count"].tolist() == [1, 1, 0]
 
 
 def test_merge_metrics_is_exact():
-    targets = torch.zeros(1, 1, 3, dtype=torch.long)
-    rv = torch.tensor([[[False, True, True]]])
-    v = torch.ones(1, 1, dtype=torch.bool)
-    a = block_metrics(torch.zeros(1, 1, 3, dtype=torch.long), _blocks_for(targets, rv, v))  # tau 3
-    b = block_metrics(torch.ones(1, 1, 3, dtype=torch.long), _blocks_for(targets, rv, v))  # tau 1
+    targets = torch.zeros(1, 3, dtype=torch.long)
+    rv = torch.tensor([[False, True, True]])
+    a = block_metrics(torch.zeros(1, 3, dtype=torch.long), _blocks_for(targets, rv))  # tau 3
+    b = block_metrics(torch.ones(1, 3, dtype=torch.long), _blocks_for(targets, rv))  # tau 1
     m = merge_metrics(merge_metrics(None, a), b)
     assert m["acceptance_length"].item() == 2.0 and m["n_blocks"].item() == 2
+
+
+def _unchunked(model, batch, num_anchors: int, gamma: float):
+    """The loss head without chunking: every counted row's full-vocabulary logits at once (the reference)."""
+    flat = _flat(batch)
+    anchors = sample_anchors(flat.eligible, flat.docs, num_anchors, torch.Generator().manual_seed(batch.seed))
+    hidden, blocks = forward_blocks(model, batch, flat, anchors)
+    logits = model.logits(hidden)  # [A, B, V]
+    w = loss_weights(model.block_size, gamma, logits.device) * blocks.row_valid
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), blocks.targets.flatten(), reduction="none")
+    loss = (ce * w.flatten()).sum() / w.sum()
+    return loss, block_metrics(logits.detach().argmax(-1), blocks), anchors, blocks
 
 
 def test_loss_is_the_weighted_mean_of_per_row_cross_entropy():
     model = tiny_drafter(seed=3)
     batch = tiny_batch(rows=2, length=40, docs_per_row=2, seed=1)
     out = dflash_loss(model, batch, num_anchors=6, gamma=3.0)
-    g = torch.Generator().manual_seed(batch.seed)
-    anchors, valid = sample_anchors(eligible_anchors(batch.loss_mask, batch.doc_ids), 6, g)
     with torch.no_grad():
-        logits, blocks = forward_blocks(model, batch, anchors, valid)
+        _, _, anchors, blocks = _unchunked(model, batch, 6, 3.0)
+        hidden, _ = forward_blocks(model, batch, _flat(batch), anchors)
+        logits = model.logits(hidden)
     num, den = 0.0, 0.0
-    for r, n, k in blocks.row_valid.nonzero().tolist():
+    for n, k in blocks.row_valid.nonzero().tolist():
         w = math.exp(-(k - 1) / 3.0)
-        num += w * F.cross_entropy(logits[r, n, k], blocks.targets[r, n, k]).item()
+        num += w * F.cross_entropy(logits[n, k], blocks.targets[n, k]).item()
         den += w
     assert out.loss.item() == pytest.approx(num / den, rel=1e-5)
-    assert out.metrics["n_blocks"].item() == int(valid.sum())
+    assert out.metrics["n_blocks"].item() == anchors.numel() == 4 * 6
 
 
-def test_padding_rows_and_blocks_contribute_nothing():
+@pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
+def test_chunked_loss_equals_the_unchunked_loss_gradients_and_metrics(chunk):
+    batch = tiny_batch(rows=2, length=48, docs_per_row=2, seed=6)
+    ref_model, model = tiny_drafter(seed=9).train(), tiny_drafter(seed=9).train()
+    ref_loss, ref_metrics, _, _ = _unchunked(ref_model, batch, 8, 7.0)
+    ref_loss.backward()
+    out = dflash_loss(model, batch, num_anchors=8, gamma=7.0, chunk_rows=chunk)
+    out.loss.backward()
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for key in ("n_blocks", "accepted_sum", "position_correct", "position_count"):
+        assert torch.equal(out.metrics[key], ref_metrics[key]), key
+
+
+def test_chunked_cross_entropy_never_holds_more_than_a_chunk_of_logits():
+    # the peak grows with the chunk, not with the number of rows: 16-row chunks of a 4096-token vocabulary
+    # stay far below the 512 x 4096 fp32 logits an unchunked loss holds
+    hidden = torch.randn(512, 32, requires_grad=True)
+    weight, targets, w = torch.randn(4096, 32), torch.randint(0, 4096, (512,)), torch.rand(512)
+
+    def run(chunk: int):
+        loss, _ = chunked_cross_entropy(hidden, weight, targets, w, chunk)
+        loss.backward()
+
+    small, _ = peak_memory_bytes(lambda: run(16))
+    whole, _ = peak_memory_bytes(lambda: run(512))
+    full_logits = 512 * 4096 * 4
+    assert whole >= full_logits
+    assert small < full_logits / 8
+
+
+def test_padding_rows_contribute_nothing():
     model = tiny_drafter(seed=3)
     batch = tiny_batch(rows=1, length=40, seed=2)
     padded = tiny_batch(rows=2, length=40, seed=2)
@@ -167,6 +230,7 @@ def test_a_batch_without_eligible_anchors_gives_zero_loss_with_a_gradient_path()
     out = dflash_loss(model, batch)
     out.loss.backward()
     assert out.loss.item() == 0.0 and out.metrics["n_blocks"].item() == 0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 def test_training_lowers_the_loss_and_never_touches_the_frozen_head():

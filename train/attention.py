@@ -1,20 +1,24 @@
 """The DFlash training mask and the two attention paths that apply it.
 
-Keys of every drafter layer are ``[context (T positions) | block 0 | block 1 | ... ]`` and queries
-are the block rows only. Block ``n`` is anchored at context position ``a_n`` and occupies absolute
-positions ``a_n .. a_n + B - 1``. The rules (each one a test):
+The rows of a batch are flattened into one context of ``C = R * T`` positions (padding included; it is
+never visible). Queries are the block rows only, ``A`` blocks of ``B`` rows each, one block per sampled
+anchor (no padding blocks); keys of every drafter layer are ``[context (C) | block 0 | block 1 | ...]``.
+Block ``n`` is anchored at flat context index ``anchors[n]`` and occupies document positions
+``p .. p + B - 1`` where ``p`` is the anchor's position in its document. The rules (each one a test):
 
 * a block sees context positions **strictly before** its anchor, and only those of the anchor's own
-  document (packed rows hold several documents);
+  document (a row may hold several packed documents; rows are different documents too);
 * a block never sees another block;
-* within a block attention is bidirectional for full-attention layers and causal for
-  sliding-window layers, which also see only keys less than ``sliding_window`` positions behind
-  the query;
-* an invalid (padding) block sees only itself, so no query row is fully masked (a fully masked
-  row makes SDPA return NaN, which would poison the gradient even at loss weight 0).
+* within a block every row sees every other row (bidirectional), in every layer type, as in the
+  DFlash reference and the serving engines. ``within_block = "causal"`` (for sliding-window layers,
+  ``model.sliding_within_block``) makes row ``i`` see rows ``j <= i`` only;
+* a sliding-window layer also sees only context keys less than ``window`` positions behind the query
+  (document positions); the window does not apply within the block.
+
+No query row is ever fully masked: each block row sees at least itself.
 
 :class:`BlockLayout` describes the blocks of one batch once; each layer asks it for a dense boolean
-mask (SDPA, CPU) or a FlexAttention ``BlockMask`` (GPU). Both encode the same predicate.
+mask (SDPA, CPU and tests) or a FlexAttention ``BlockMask`` (GPU). Both encode the same predicate.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 AttentionBackend = Literal["sdpa", "flex"]
+WithinBlock = Literal["bidirectional", "causal"]
 
 
 def flex_available() -> bool:
@@ -48,116 +53,124 @@ def resolve_backend(requested: str, device: torch.device) -> AttentionBackend:
     return "flex" if device.type == "cuda" and flex_available() else "sdpa"
 
 
+def global_doc_ids(doc_ids: Tensor) -> Tensor:
+    """[R, T] per-row document ids (-1 padding) -> [R*T] ids unique across rows (-1 padding)."""
+    R, T = doc_ids.shape
+    per_row = int(doc_ids.max().item()) + 1 if doc_ids.numel() else 1
+    rows = torch.arange(R, device=doc_ids.device, dtype=torch.int64).unsqueeze(1) * max(per_row, 1)
+    return torch.where(doc_ids >= 0, rows + doc_ids.long(), torch.full_like(rows + doc_ids.long(), -1)).reshape(-1)
+
+
 @dataclass
 class BlockLayout:
-    """Where the blocks of one batch sit in their rows.
+    """Where the blocks of one batch sit in its flattened context.
 
-    anchors: [R, N] int64 context index of each block's anchor (any in-range value when invalid)
-    valid:   [R, N] bool, False for padding blocks
-    doc_ids: [R, T] int, document of each context position (-1 on padding)
+    anchors:   [A] int64 flat context index of each block's anchor (ascending)
+    ctx_doc:   [C] int64 document of each context position, unique across rows (-1 on padding)
+    ctx_pos:   [C] int64 position of each context position within its document
     """
 
     anchors: Tensor
-    valid: Tensor
-    doc_ids: Tensor
+    ctx_doc: Tensor
+    ctx_pos: Tensor
     block_size: int
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
-    def num_rows(self) -> int:
+    def num_blocks(self) -> int:
         return int(self.anchors.shape[0])
 
     @property
-    def num_blocks(self) -> int:
-        return int(self.anchors.shape[1])
-
-    @property
     def context_len(self) -> int:
-        return int(self.doc_ids.shape[1])
+        return int(self.ctx_doc.shape[0])
 
     @property
-    def anchor_docs(self) -> Tensor:
-        """[R, N] document of each anchor."""
-        return torch.gather(self.doc_ids, 1, self.anchors.clamp(0, self.context_len - 1))
+    def anchor_doc(self) -> Tensor:
+        """[A] document of each anchor."""
+        return self.ctx_doc[self.anchors]
 
-    def dense(self, causal: bool, window: int | None) -> Tensor:
-        """Boolean mask [R, 1, N*B, T + N*B] (True = may attend), cached per layer kind."""
-        key = ("dense", causal, window)
+    @property
+    def anchor_pos(self) -> Tensor:
+        """[A] position of each anchor within its document."""
+        return self.ctx_pos[self.anchors]
+
+    def dense(self, within_block: WithinBlock, window: int | None) -> Tensor:
+        """Boolean mask [1, 1, A*B, C + A*B] (True = may attend), cached per layer kind."""
+        key = ("dense", within_block, window)
         if key not in self._cache:
-            self._cache[key] = _dense_mask(self, causal, window)
+            self._cache[key] = _dense_mask(self, within_block, window)
         return self._cache[key]
 
-    def flex(self, causal: bool, window: int | None) -> Any:
+    def flex(self, within_block: WithinBlock, window: int | None) -> Any:
         """FlexAttention ``BlockMask`` with the same predicate as :meth:`dense`, cached per layer kind."""
-        key = ("flex", causal, window)
+        key = ("flex", within_block, window)
         if key not in self._cache:
-            self._cache[key] = _flex_mask(self, causal, window)
+            self._cache[key] = _flex_mask(self, within_block, window)
         return self._cache[key]
 
 
-def _dense_mask(layout: BlockLayout, causal: bool, window: int | None) -> Tensor:
-    R, N, B, T = layout.num_rows, layout.num_blocks, layout.block_size, layout.context_len
+def _dense_mask(layout: BlockLayout, within_block: WithinBlock, window: int | None) -> Tensor:
+    A, B, C = layout.num_blocks, layout.block_size, layout.context_len
     device = layout.anchors.device
-    pos = torch.arange(T, device=device)  # [T]
-    anchors = layout.anchors  # [R, N]
-    ctx = (pos.view(1, 1, T) < anchors.unsqueeze(-1)) & (
-        layout.doc_ids.unsqueeze(1) == layout.anchor_docs.unsqueeze(-1)
-    )  # [R, N, T]
-    ctx = ctx & layout.valid.unsqueeze(-1)
-    ctx = ctx.unsqueeze(2).expand(R, N, B, T)  # [R, N, B, T]
+    kv = torch.arange(C, device=device)  # [C]
+    ctx = (kv.view(1, C) < layout.anchors.view(A, 1)) & (layout.ctx_doc.view(1, C) == layout.anchor_doc.view(A, 1))
+    ctx = ctx.unsqueeze(1).expand(A, B, C)  # [A, B, C]
     if window is not None:
-        row = torch.arange(B, device=device).view(1, 1, B, 1)
-        ctx = ctx & ((anchors.view(R, N, 1, 1) + row - pos.view(1, 1, 1, T)) < window)
-    inner = _within_block(B, causal, window, device)  # [B, B]
-    eye = torch.eye(N, dtype=torch.bool, device=device)  # [N, N]
-    blocks = (eye.view(N, 1, N, 1) & inner.view(1, B, 1, B)).reshape(N * B, N * B)
-    mask = torch.cat([ctx.reshape(R, N * B, T), blocks.unsqueeze(0).expand(R, -1, -1)], dim=2)
-    return mask.unsqueeze(1)  # [R, 1, N*B, T + N*B]
+        q_pos = layout.anchor_pos.view(A, 1, 1) + torch.arange(B, device=device).view(1, B, 1)
+        ctx = ctx & ((q_pos - layout.ctx_pos.view(1, 1, C)) < window)
+    inner = _within_block(B, within_block, device)  # [B, B]
+    eye = torch.eye(A, dtype=torch.bool, device=device)  # [A, A]
+    blocks = (eye.view(A, 1, A, 1) & inner.view(1, B, 1, B)).reshape(A * B, A * B)
+    mask = torch.cat([ctx.reshape(A * B, C), blocks], dim=1)
+    return mask.view(1, 1, A * B, C + A * B)
 
 
-def _within_block(B: int, causal: bool, window: int | None, device: torch.device) -> Tensor:
-    i = torch.arange(B, device=device).view(B, 1)
-    j = torch.arange(B, device=device).view(1, B)
+def _within_block(B: int, within_block: WithinBlock, device: torch.device) -> Tensor:
     inner = torch.ones(B, B, dtype=torch.bool, device=device)
-    if causal:
+    if within_block == "causal":
+        i = torch.arange(B, device=device).view(B, 1)
+        j = torch.arange(B, device=device).view(1, B)
         inner &= j <= i
-    if window is not None:
-        inner &= (i - j) < window
-        if not causal:
-            inner &= (j - i) < window
     return inner
 
 
-def _flex_mask(layout: BlockLayout, causal: bool, window: int | None) -> Any:
+_compiled_create_block_mask: Any = None
+
+
+def _create_block_mask_fn(on_cuda: bool) -> Any:
+    """``create_block_mask``, compiled on CUDA so that it never materializes the [Q, KV] mask."""
+    global _compiled_create_block_mask
     from torch.nn.attention.flex_attention import create_block_mask
 
-    R, N, B, T = layout.num_rows, layout.num_blocks, layout.block_size, layout.context_len
-    anchors, valid, doc_ids = layout.anchors, layout.valid, layout.doc_ids
-    anchor_docs = layout.anchor_docs
+    if not on_cuda:
+        return create_block_mask
+    if _compiled_create_block_mask is None:
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    return _compiled_create_block_mask
+
+
+def _flex_mask(layout: BlockLayout, within_block: WithinBlock, window: int | None) -> Any:
+    A, B, C = layout.num_blocks, layout.block_size, layout.context_len
+    anchors, ctx_doc, ctx_pos = layout.anchors, layout.ctx_doc, layout.ctx_pos
+    anchor_doc, anchor_pos = layout.anchor_doc, layout.anchor_pos
+    causal = within_block == "causal"
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         n = q_idx // B
         i = q_idx % B
-        anchor = anchors[b, n]
-        is_ctx = kv_idx < T
-        ctx_ok = is_ctx & (kv_idx < anchor) & valid[b, n]
-        ctx_ok = ctx_ok & (doc_ids[b, kv_idx.clamp(max=T - 1)] == anchor_docs[b, n])
-        kb = (kv_idx - T).clamp(min=0)
-        j = kb % B
+        is_ctx = kv_idx < C
+        kc = kv_idx.clamp(max=C - 1)
+        ctx_ok = is_ctx & (kv_idx < anchors[n]) & (ctx_doc[kc] == anchor_doc[n])
+        if window is not None:
+            ctx_ok = ctx_ok & ((anchor_pos[n] + i - ctx_pos[kc]) < window)
+        kb = (kv_idx - C).clamp(min=0)
         blk_ok = (~is_ctx) & (kb // B == n)
         if causal:
-            blk_ok = blk_ok & (j <= i)
-        if window is not None:
-            ctx_ok = ctx_ok & ((anchor + i - kv_idx) < window)
-            blk_ok = blk_ok & ((i - j) < window)
-            if not causal:
-                blk_ok = blk_ok & ((j - i) < window)
+            blk_ok = blk_ok & (kb % B <= i)
         return ctx_ok | blk_ok
 
-    return create_block_mask(
-        mask_mod, B=R, H=None, Q_LEN=N * B, KV_LEN=T + N * B, device=str(anchors.device),
-        _compile=anchors.is_cuda,  # compiled on GPU: never materializes the [Q, KV] mask
-    )
+    make = _create_block_mask_fn(anchors.is_cuda)
+    return make(mask_mod, B=None, H=None, Q_LEN=A * B, KV_LEN=C + A * B, device=str(anchors.device))
 
 
 _compiled_flex: Any = None
@@ -176,13 +189,13 @@ def _flex_fn() -> Any:
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, *, causal: bool, window: int | None,
+    q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, *, within_block: WithinBlock, window: int | None,
     backend: AttentionBackend, scale: float,
 ) -> Tensor:
-    """q [R, Hq, Q, D], k/v [R, Hkv, K, D] -> [R, Hq, Q, D] under the layout's mask."""
+    """q [1, Hq, A*B, D], k/v [1, Hkv, C + A*B, D] -> [1, Hq, A*B, D] under the layout's mask."""
     gqa = q.shape[1] != k.shape[1]
     if backend == "flex":
-        block_mask = layout.flex(causal, window)
+        block_mask = layout.flex(within_block, window)
         return _flex_fn()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    mask = layout.dense(causal, window)
+    mask = layout.dense(within_block, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

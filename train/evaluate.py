@@ -30,7 +30,7 @@ from torch import Tensor
 from dflash_cache.errors import ConfigError, DFlashError
 
 from .attention import BlockLayout
-from .objective import all_anchors, block_metrics, eligible_anchors, forward_blocks, merge_metrics
+from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +78,12 @@ def _sample_batch(sample: Any, device: torch.device) -> SimpleNamespace:
 @torch.no_grad()
 def sample_metrics(model: Any, batch: Any, anchors_per_forward: int = 256) -> dict[str, Tensor] | None:
     """Greedy metrics of every eligible anchor of a batch, in forwards of at most ``anchors_per_forward``."""
-    anchors, valid = all_anchors(eligible_anchors(batch.loss_mask, batch.doc_ids))  # [R, N]
+    flat = FlatBatch.of(batch)
+    anchors = all_anchors(flat.eligible)  # [A]
     total = None
-    for s in range(0, anchors.shape[1], anchors_per_forward):
-        a, v = anchors[:, s:s + anchors_per_forward], valid[:, s:s + anchors_per_forward]
-        if not v.any():
-            continue
-        logits, blocks = forward_blocks(model, batch, a, v)  # [R, n, B, V]
-        total = merge_metrics(total, block_metrics(logits.argmax(-1), blocks))
+    for s in range(0, anchors.shape[0], anchors_per_forward):
+        pred, blocks = predict_blocks(model, batch, flat, anchors[s:s + anchors_per_forward])  # [n, B]
+        total = merge_metrics(total, block_metrics(pred, blocks))
     return total
 
 
@@ -182,11 +180,13 @@ def propose(model: Any, ctx_features: Tensor, last_token: int) -> list[int]:
     device = next(model.parameters()).device
     block = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=device)
     block[0, 0] = last_token
-    layout = BlockLayout(anchors=torch.tensor([[P]], device=device), valid=torch.ones(1, 1, dtype=torch.bool, device=device),
-                         doc_ids=torch.zeros(1, P, dtype=torch.int32, device=device), block_size=B)
-    hidden = model(ctx_features.unsqueeze(0).to(device), block, torch.arange(P, device=device).unsqueeze(0),
-                   (P + torch.arange(B, device=device)).unsqueeze(0), layout)  # [1, B, H]
-    return model.logits(hidden[0, 1:]).argmax(-1).tolist()
+    # the context: P positions of one document plus the anchor slot P (never visible: strictly before it)
+    positions = torch.arange(P + 1, device=device)
+    layout = BlockLayout(anchors=torch.tensor([P], device=device), ctx_doc=torch.zeros(P + 1, dtype=torch.long,
+                         device=device), ctx_pos=positions, block_size=B)
+    features = torch.cat([ctx_features.to(device), ctx_features.new_zeros(1, ctx_features.shape[1]).to(device)])
+    hidden = model(features.unsqueeze(0), block, (P + torch.arange(B, device=device)).unsqueeze(0), layout)
+    return model.logits(hidden[0, 1:]).argmax(-1).tolist()  # [B-1]
 
 
 @torch.no_grad()

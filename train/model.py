@@ -6,14 +6,17 @@ Parameter names are those of the released DFlash drafters (``fc``, ``hidden_norm
 a released drafter loads with ``load_state_dict``. The target's embedding and lm_head are frozen
 non-persistent buffers: never trained, never in ``state_dict()``.
 
-Forward, for one batch of rows:
+Forward, for one batch (its R rows of T tokens flattened into one context of C = R*T positions):
 
-    ctx   = hidden_norm(fc(features))                  # [R, T, H], computed once, shared by layers
-    h     = embed([x_a, MASK, ..., MASK] per block)    # [R, N*B, H]
+    ctx   = hidden_norm(fc(features))                  # [1, C, H], computed once, shared by layers
+    h     = embed([x_a, MASK, ..., MASK] per block)    # [1, A*B, H], one block per anchor
     layer: q = q_norm(q_proj(norm1(h)))                 # queries: block rows only
-           k = k_norm(k_proj([ctx ; norm1(h)])), v = v_proj([ctx ; norm1(h)])   # KV injection
-           RoPE at absolute positions (context positions, a_n + 0..B-1 for block n)
-    out   = norm(h); logits = out @ lm_head.T
+           k = [k_norm(k_proj(ctx)) ; k_norm(k_proj(norm1(h)))], v likewise   # KV injection
+           RoPE at document positions (context positions, p_a + 0..B-1 for the block at anchor a)
+    out   = norm(h); logits = out @ lm_head.T           # through the chunked loss (train.objective)
+
+Everything runs in the compute dtype of its input (bf16 under autocast): RMSNorm and RoPE keep it, and
+with ``activation_checkpointing`` only each layer's input is kept for the backward pass.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash_cache.errors import ConfigError, SpecMismatchError
 
-from .attention import AttentionBackend, BlockLayout, attend, resolve_backend
+from .attention import AttentionBackend, BlockLayout, WithinBlock, attend, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,8 @@ class DFlashConfig:
     max_position_embeddings: int = 40960
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # how sliding_attention layers attend within the draft block; full_attention layers are always bidirectional
+    sliding_within_block: str = "bidirectional"
     attention_bias: bool = False
     # Fields of a loaded config.json this product does not interpret (bos/eos ids ...), kept on export.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -85,11 +91,18 @@ class DFlashConfig:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if "sliding_attention" in (self.layer_types or []) and not self.sliding_window:
             problems.append("sliding_attention layers need sliding_window > 0")
+        if self.sliding_within_block not in ("bidirectional", "causal"):
+            problems.append(f"sliding_within_block must be 'bidirectional' or 'causal', got {self.sliding_within_block!r}")
         if problems:
             raise ConfigError("invalid drafter config:\n  " + "\n  ".join(problems))
 
     def layer_type(self, idx: int) -> str:
         return self.layer_types[idx] if self.layer_types else "full_attention"
+
+    def within_block(self, idx: int) -> WithinBlock:
+        """The within-block rule of layer ``idx``: bidirectional, or causal for sliding layers if configured."""
+        sliding = self.layer_type(idx) == "sliding_attention"
+        return "causal" if sliding and self.sliding_within_block == "causal" else "bidirectional"
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` of an exported drafter, in the released DFlash drafters' layout."""
@@ -125,6 +138,8 @@ class DFlashConfig:
             "use_sliding_window": uses_sliding,
             "vocab_size": self.vocab_size,
         }
+        if uses_sliding:  # the within-block rule of sliding layers (full layers are always bidirectional)
+            out["dflash_config"]["sliding_within_block"] = self.sliding_within_block
         for key, value in self.extra.items():
             out.setdefault(key, value)
         return out
@@ -156,7 +171,8 @@ class DFlashConfig:
             num_target_layers=int(d.get("num_target_layers", dc.get("num_target_layers", max(layer_ids) + 3))),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e6))),
             max_position_embeddings=d.get("max_position_embeddings", 40960), layer_types=d.get("layer_types"),
-            sliding_window=d.get("sliding_window"), attention_bias=bool(d.get("attention_bias", False)), extra=extra,
+            sliding_window=d.get("sliding_window"), attention_bias=bool(d.get("attention_bias", False)),
+            sliding_within_block=str(dc.get("sliding_within_block", "bidirectional")), extra=extra,
         )
 
     def to_json(self) -> str:
@@ -185,10 +201,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        """Normalised in fp32 internally; the output keeps ``x``'s dtype (no fp32 activations under bf16)."""
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -199,11 +213,11 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [R, L] -> cos, sin [R, 1, L, D] in float32."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [R, L, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [R, L, D]
-        return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [L] -> cos, sin [1, 1, L, D], computed in float32 and returned in ``dtype``."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [L, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [L, D]
+        return emb.cos().to(dtype).view(1, 1, *emb.shape), emb.sin().to(dtype).view(1, 1, *emb.shape)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -212,9 +226,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [R, heads, L, D]; cos/sin [R, 1, L, D]."""
-    x32 = x.float()
-    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+    """x [1, heads, L, D]; cos/sin [1, 1, L, D] in x's dtype."""
+    return x * cos + _rotate_half(x) * sin
 
 
 class DFlashAttention(nn.Module):
@@ -228,29 +241,36 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, H, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        sliding = cfg.layer_type(layer_idx) == "sliding_attention"
-        self.causal = sliding  # sliding-window layers are causal within the block
-        self.window = cfg.sliding_window if sliding else None
+        self.within_block = cfg.within_block(layer_idx)
+        self.window = cfg.sliding_window if cfg.layer_type(layer_idx) == "sliding_attention" else None
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
-        R, L, _ = x.shape
-        return x.view(R, L, n, self.head_dim)
+        _, L, _ = x.shape
+        return x.view(1, L, n, self.head_dim)
+
+    def _keys(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """x [1, L, H] -> k, v [1, Hkv, L, d] (k normed and rotated)."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
+        return apply_rope(k, *rope), v
 
     def forward(
-        self, h: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_k: tuple[Tensor, Tensor],
+        self, h: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_ctx: tuple[Tensor, Tensor],
         layout: BlockLayout, backend: AttentionBackend,
     ) -> Tensor:
-        """h [R, Q, H] (normed block rows), ctx [R, T, H] (fused context) -> [R, Q, H]."""
-        R, Q, _ = h.shape
-        kv_in = torch.cat([ctx, h], dim=1)  # [R, T+Q, H]
-        q = self.q_norm(self._heads(self.q_proj(h), self.num_heads)).transpose(1, 2)  # [R, Hq, Q, d]
-        k = self.k_norm(self._heads(self.k_proj(kv_in), self.num_kv_heads)).transpose(1, 2)  # [R, Hkv, T+Q, d]
-        v = self._heads(self.v_proj(kv_in), self.num_kv_heads).transpose(1, 2)  # [R, Hkv, T+Q, d]
+        """h [1, Q, H] (normed block rows), ctx [1, C, H] (fused context) -> [1, Q, H]."""
+        _, Q, _ = h.shape
+        q = self.q_norm(self._heads(self.q_proj(h), self.num_heads)).transpose(1, 2)  # [1, Hq, Q, d]
         q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_k)
-        out = attend(q, k, v, layout, causal=self.causal, window=self.window, backend=backend,
-                     scale=1.0 / math.sqrt(self.head_dim))  # [R, Hq, Q, d]
-        return self.o_proj(out.transpose(1, 2).reshape(R, Q, -1))
+        # KV injection: the context and the block rows go through the same projections; projecting them
+        # separately keeps only [C, H] (shared by every layer) and [Q, H] as saved inputs, not a [C+Q, H] copy
+        k_ctx, v_ctx = self._keys(ctx, rope_ctx)  # [1, Hkv, C, d]
+        k_blk, v_blk = self._keys(h, rope_q)  # [1, Hkv, Q, d]
+        k = torch.cat([k_ctx, k_blk], dim=2)  # [1, Hkv, C+Q, d]
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        out = attend(q, k, v, layout, within_block=self.within_block, window=self.window, backend=backend,
+                     scale=1.0 / math.sqrt(self.head_dim))  # [1, Hq, Q, d]
+        return self.o_proj(out.transpose(1, 2).reshape(1, Q, -1))
 
 
 class DFlashMLP(nn.Module):
@@ -284,10 +304,12 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DFlashConfig, embed_tokens: Tensor, lm_head: Tensor, attention: str = "auto"):
+    def __init__(self, cfg: DFlashConfig, embed_tokens: Tensor, lm_head: Tensor, attention: str = "auto",
+                 activation_checkpointing: bool = False):
         super().__init__()
         self.config = cfg
         self.attention = attention
+        self.activation_checkpointing = activation_checkpointing
         n = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -317,9 +339,9 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
-    def embed(self, ids: Tensor) -> Tensor:
-        """ids [R, L] -> [R, L, H] in the parameters' dtype."""
-        return F.embedding(ids, self.embed_tokens).to(self.fc.weight.dtype)
+    def embed(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """ids [...] -> [..., H] in ``dtype``."""
+        return F.embedding(ids, self.embed_tokens).to(dtype)
 
     def fuse_context(self, features: Tensor) -> Tensor:
         """features [R, T, n*H] (bf16 from the cache) -> fused context [R, T, H]."""
@@ -332,18 +354,23 @@ class DFlashDrafter(nn.Module):
         x = features if torch.is_autocast_enabled(features.device.type) else features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(x))
 
-    def forward(self, features: Tensor, block_ids: Tensor, ctx_positions: Tensor, block_positions: Tensor,
-                layout: BlockLayout) -> Tensor:
-        """features [R,T,n*H], block_ids [R,N*B], ctx_positions [R,T], block_positions [R,N*B]
-        -> final hidden states of the block rows [R, N*B, H]."""
+    def forward(self, features: Tensor, block_ids: Tensor, block_positions: Tensor, layout: BlockLayout) -> Tensor:
+        """features [R, T, n*H], block_ids [A, B], block_positions [A, B] (document positions) ->
+        final hidden states of the block rows [A, B, H]. Context positions come from ``layout.ctx_pos``."""
+        A, B = block_ids.shape
         backend = resolve_backend(self.attention, features.device)
-        ctx = self.fuse_context(features)  # [R, T, H]
-        h = self.embed(block_ids)  # [R, N*B, H]
-        rope_q = self.rotary_emb(block_positions)  # [R, 1, N*B, d]
-        rope_k = self.rotary_emb(torch.cat([ctx_positions, block_positions], dim=1))  # [R, 1, T+N*B, d]
+        ctx = self.fuse_context(features).reshape(1, -1, self.config.hidden_size)  # [1, C, H]
+        h = self.embed(block_ids.reshape(1, A * B), ctx.dtype)  # [1, A*B, H]
+        rope_q = self.rotary_emb(block_positions.reshape(A * B), ctx.dtype)  # [1, 1, A*B, d]
+        rope_ctx = self.rotary_emb(layout.ctx_pos, ctx.dtype)  # [1, 1, C, d]
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            h = layer(h, ctx, rope_q, rope_k, layout, backend)
-        return self.norm(h)
+            if recompute:  # keep only the layer's input; recompute its inside during backward
+                h = checkpoint(layer, h, ctx, rope_q, rope_ctx, layout, backend, use_reentrant=False,
+                               preserve_rng_state=False)
+            else:
+                h = layer(h, ctx, rope_q, rope_ctx, layout, backend)
+        return self.norm(h).view(A, B, -1)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V] through the frozen target lm_head."""
@@ -401,7 +428,7 @@ def drafter_config(model_cfg: Any, spec: Any) -> DFlashConfig:
         rms_norm_eps=model_cfg.rms_norm_eps, rope_theta=model_cfg.rope_theta,
         max_position_embeddings=model_cfg.max_position_embeddings,
         layer_types=list(model_cfg.layer_types) if model_cfg.layer_types else None,
-        sliding_window=model_cfg.sliding_window,
+        sliding_window=model_cfg.sliding_window, sliding_within_block=model_cfg.sliding_within_block,
     )
 
 
@@ -414,7 +441,8 @@ def build_drafter(model_cfg: Any, spec: Any, head: tuple[Tensor, Tensor]) -> DFl
         released = read_drafter_config(model_cfg.init_from)
         check_compatible(released, cfg, source=str(model_cfg.init_from))
         cfg = released
-    model = DFlashDrafter(cfg, head[0], head[1], attention=model_cfg.attention)
+    model = DFlashDrafter(cfg, head[0], head[1], attention=model_cfg.attention,
+                          activation_checkpointing=model_cfg.activation_checkpointing)
     if model_cfg.init_from:
         load_drafter_weights(model, Path(model_cfg.init_from) / "model.safetensors")
         log.info("initialised the drafter from %s", model_cfg.init_from)

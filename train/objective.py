@@ -1,18 +1,22 @@
-"""The DFlash training objective: anchors, blocks, weighted CE, and exact acceptance metrics.
+"""The DFlash training objective: anchors, blocks, weighted CE (chunked), and exact acceptance metrics.
 
-For a batch (rows of one or more packed documents):
+For a batch (rows of one or more packed documents, flattened into one context; see ``train.attention``):
 
-1. **Anchors**: per row, up to ``num_anchors`` positions drawn without replacement from the
-   eligible ones (loss mask on at ``a`` and ``a+1``, both in the same document), using a
-   ``torch.Generator`` seeded from ``batch.seed`` (reproducible; the loader's seed changes with the
-   epoch, so anchors are re-drawn every epoch). Sorted. Rows with fewer eligible positions get
-   padding blocks (``valid = False``).
-2. **Blocks**: block ``n`` is ``[x_a, MASK x (B-1)]`` at positions ``p_a .. p_a + B-1``.
-3. **Loss**: CE of block row ``k`` (1..B-1) against token ``a+k`` (same position, no shift),
-   weighted ``exp(-(k-1)/gamma)``; a row counts only if ``a+k`` is inside the row, in the anchor's
-   document and on the loss mask. Weighted mean over all counted rows.
-4. **Metrics**: accuracy per block position, and the exact acceptance length per valid block
-   ``1 + (number of leading correct rows)`` (an invalid row ends the run), averaged over blocks.
+1. **Anchors**: per *document*, ``min(num_anchors, eligible)`` positions drawn without replacement from
+   its eligible ones (loss mask on at ``a`` and ``a+1``, both in the document), using a
+   ``torch.Generator`` seeded from ``batch.seed`` (reproducible; the loader's seed changes with the epoch,
+   so anchors are re-drawn every epoch). This is the DFlash recipe's "512 anchors per sequence", also
+   when several documents share a row. Only real blocks are computed: no padding blocks.
+2. **Blocks**: block ``n`` is ``[x_a, MASK x (B-1)]`` at document positions ``p_a .. p_a + B-1``.
+3. **Loss**: CE of block row ``k`` (1..B-1) against token ``a+k`` (same position, no shift), weighted
+   ``exp(-(k-1)/gamma)``; a row counts only if ``a+k`` is in the anchor's document and on the loss mask.
+   Weighted mean over all counted rows of the batch. The full-vocabulary logits exist for at most
+   ``chunk_rows`` rows at a time (:class:`ChunkedCrossEntropy`): memory is bounded whatever the batch.
+4. **Metrics**: accuracy per block position, and the exact acceptance length per block
+   ``1 + (number of leading correct rows)`` (an uncounted row ends the run), averaged over blocks.
+
+How many blocks a batch holds is bounded by the plan (``loader.max_block_positions``), so the loss's
+scale per block is the recipe's; batches of short documents simply hold fewer documents.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import BlockLayout
+from .attention import BlockLayout, global_doc_ids
 
 # gamma of the loss weights exp(-(k-1)/gamma), as published for these block sizes.
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
+DEFAULT_CHUNK_ROWS = 2048
 
 
 def default_gamma(block_size: int) -> float:
@@ -68,34 +72,28 @@ def eligible_anchors(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
     return ok
 
 
-def sample_anchors(eligible: Tensor, num_anchors: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Up to ``num_anchors`` eligible positions per row, without replacement, sorted.
+def sample_anchors(eligible: Tensor, docs: Tensor, num_anchors: int, generator: torch.Generator | None) -> Tensor:
+    """Up to ``num_anchors`` eligible positions per document, without replacement, ascending.
 
-    eligible [R, T] bool -> anchors [R, N] int64, valid [R, N] bool, N = min(num_anchors, max count) >= 1.
+    eligible [C] bool, docs [C] document ids (flat context) -> anchors [A] int64 (flat indices).
     The random keys are drawn on the CPU from ``generator`` so the draw is identical on any device."""
-    R, T = eligible.shape
-    counts = eligible.sum(1)  # [R]
-    n = max(1, min(num_anchors, int(counts.max().item()) if R else 0))
-    keys = torch.rand(R, T, generator=generator).to(eligible.device)  # [R, T] in [0, 1)
-    keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))  # ineligible last
-    picked = keys.topk(n, dim=1, largest=False).indices  # [R, n]
-    valid = torch.arange(n, device=eligible.device).unsqueeze(0) < counts.unsqueeze(1)  # [R, n]
-    anchors = torch.where(valid, picked, torch.zeros_like(picked))
-    # sort the valid anchors ascending, padding blocks (key T) after them
-    order = torch.where(valid, anchors, torch.full_like(anchors, T)).argsort(dim=1)
-    return anchors.gather(1, order), valid.gather(1, order)
+    C = eligible.shape[0]
+    device = eligible.device
+    keys = torch.rand(C, generator=generator, dtype=torch.float64).to(device)  # [C] in [0, 1)
+    keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))  # ineligible after the eligible ones
+    order = (docs.to(torch.float64) * 4.0 + keys).argsort()  # grouped by document, random within it
+    sorted_docs = docs[order]
+    idx = torch.arange(C, device=device)
+    starts = torch.ones(C, dtype=torch.bool, device=device)
+    starts[1:] = sorted_docs[1:] != sorted_docs[:-1]
+    rank = idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(0).values  # position within its document
+    take = eligible[order] & (rank < num_anchors)
+    return order[take].sort().values
 
 
-def all_anchors(eligible: Tensor) -> tuple[Tensor, Tensor]:
-    """Every eligible position (evaluation): anchors [R, N], valid [R, N], N = max count per row."""
-    R, T = eligible.shape
-    counts = eligible.sum(1)
-    n = max(1, int(counts.max().item()) if R else 1)
-    pos = torch.arange(T, device=eligible.device).expand(R, T)
-    keyed = torch.where(eligible, pos, torch.full_like(pos, T))
-    anchors = keyed.sort(dim=1).values[:, :n]
-    valid = anchors < T
-    return torch.where(valid, anchors, torch.zeros_like(anchors)), valid
+def all_anchors(eligible: Tensor) -> Tensor:
+    """Every eligible position (evaluation): eligible [C] -> anchors [A] ascending."""
+    return eligible.nonzero().flatten()
 
 
 @dataclass
@@ -103,30 +101,44 @@ class Blocks:
     """The block inputs and targets for a set of anchors."""
 
     layout: BlockLayout
-    block_ids: Tensor  # [R, N*B] block input tokens: x_a then MASK
-    block_positions: Tensor  # [R, N*B] absolute positions p_a + k
-    targets: Tensor  # [R, N, B] token at a+k (row 0 unused)
-    row_valid: Tensor  # [R, N, B] bool: row k counts (k >= 1, in row, same doc, on the loss mask)
+    block_ids: Tensor  # [A, B] block input tokens: x_a then MASK
+    block_positions: Tensor  # [A, B] document positions p_a + k
+    targets: Tensor  # [A, B] token at a+k (row 0 unused)
+    row_valid: Tensor  # [A, B] bool: row k counts (k >= 1, in the anchor's document, on the loss mask)
 
 
-def build_blocks(batch: BatchLike, anchors: Tensor, valid: Tensor, block_size: int, mask_token_id: int) -> Blocks:
-    R, T = batch.input_ids.shape
-    N, B = anchors.shape[1], block_size
-    device = batch.input_ids.device
+@dataclass
+class FlatBatch:
+    """A batch's per-token tensors flattened over rows (C = R*T positions)."""
+
+    input_ids: Tensor  # [C]
+    loss_mask: Tensor  # [C] bool
+    docs: Tensor  # [C] document ids unique across rows (-1 padding)
+    positions: Tensor  # [C] position within the document
+    eligible: Tensor  # [C] bool: may anchor a block
+
+    @classmethod
+    def of(cls, batch: BatchLike) -> FlatBatch:
+        eligible = eligible_anchors(batch.loss_mask, batch.doc_ids).reshape(-1)
+        return cls(batch.input_ids.reshape(-1).long(), batch.loss_mask.reshape(-1).bool(),
+                   global_doc_ids(batch.doc_ids), batch.position_ids.reshape(-1).long(), eligible)
+
+
+def build_blocks(flat: FlatBatch, anchors: Tensor, block_size: int, mask_token_id: int) -> Blocks:
+    """The blocks at ``anchors`` [A] (flat indices into ``flat``)."""
+    C, B = flat.input_ids.shape[0], block_size
+    device = flat.input_ids.device
     k = torch.arange(B, device=device)  # [B]
-    idx = anchors.unsqueeze(-1) + k  # [R, N, B]
-    in_row = idx < T
-    idx_c = idx.clamp(max=T - 1).view(R, N * B)
-    targets = batch.input_ids.gather(1, idx_c).view(R, N, B)
-    same_doc = batch.doc_ids.gather(1, idx_c).view(R, N, B) == batch.doc_ids.gather(1, anchors).unsqueeze(-1)
-    on_mask = batch.loss_mask.bool().gather(1, idx_c).view(R, N, B)
-    row_valid = valid.unsqueeze(-1) & in_row & same_doc & on_mask & (k > 0)
-    anchor_tok = batch.input_ids.gather(1, anchors)  # [R, N]
-    block_ids = torch.full((R, N, B), mask_token_id, dtype=torch.long, device=device)
-    block_ids[:, :, 0] = torch.where(valid, anchor_tok, torch.full_like(anchor_tok, mask_token_id))
-    block_positions = batch.position_ids.gather(1, anchors).unsqueeze(-1) + k  # [R, N, B]
-    layout = BlockLayout(anchors=anchors, valid=valid, doc_ids=batch.doc_ids, block_size=B)
-    return Blocks(layout, block_ids.view(R, N * B), block_positions.view(R, N * B), targets, row_valid)
+    idx = anchors.unsqueeze(-1) + k  # [A, B]
+    idx_c = idx.clamp(max=C - 1)
+    targets = flat.input_ids[idx_c]  # [A, B]
+    same_doc = (idx < C) & (flat.docs[idx_c] == flat.docs[anchors].unsqueeze(-1))
+    row_valid = same_doc & flat.loss_mask[idx_c] & (k > 0)
+    block_ids = torch.full((anchors.shape[0], B), mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = flat.input_ids[anchors]
+    block_positions = flat.positions[anchors].unsqueeze(-1) + k  # [A, B]
+    layout = BlockLayout(anchors=anchors, ctx_doc=flat.docs, ctx_pos=flat.positions, block_size=B)
+    return Blocks(layout, block_ids, block_positions, targets, row_valid)
 
 
 def loss_weights(block_size: int, gamma: float, device: torch.device) -> Tensor:
@@ -137,25 +149,95 @@ def loss_weights(block_size: int, gamma: float, device: torch.device) -> Tensor:
     return w
 
 
+# ----------------------------------------------------------------------------------------------
+# The chunked loss head
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
+    """[c, H] @ [V, H]^T -> fp32 logits [c, V] (the matmul in h's dtype, fp32 from there on)."""
+    return (h @ weight.t()).float()
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(hidden_i @ weight^T, target_i), and the greedy prediction of each row, computed
+    ``chunk`` rows at a time: the full-vocabulary logits of all rows never exist at once.
+
+    The gradient with respect to ``hidden`` is computed chunk by chunk during the forward (when
+    ``hidden`` requires it) and kept, [N, H], until backward scales it: no second pass over the vocabulary.
+    ``weight`` (the frozen lm_head) gets no gradient. Logits are formed in ``hidden``'s dtype; the
+    softmax, log-sum-exp and sums run in fp32."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, row_weights: Tensor,
+                chunk: int) -> tuple[Tensor, Tensor]:
+        N = hidden.shape[0]
+        w_mat = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)  # [V, H]
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(hidden) if need_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        pred = torch.empty(N, dtype=torch.long, device=hidden.device)
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            z = _chunk_logits(hidden[s:e], w_mat)  # [c, V] fp32
+            tgt = targets[s:e].unsqueeze(1)  # [c, 1]
+            pred[s:e] = z.argmax(-1)
+            z_tgt = z.gather(1, tgt).squeeze(1)  # [c]
+            z_max = z.amax(-1, keepdim=True)  # [c, 1]
+            z.sub_(z_max).exp_()  # in place: exp(z - max)
+            sum_exp = z.sum(-1, keepdim=True)  # [c, 1]
+            lse = sum_exp.log().squeeze(1) + z_max.squeeze(1)  # [c]
+            w = row_weights[s:e].float()
+            loss += ((lse - z_tgt) * w).sum()
+            if grad is not None:
+                z.div_(sum_exp)  # softmax
+                z.scatter_add_(1, tgt, torch.full_like(z_tgt, -1.0).unsqueeze(1))  # softmax - onehot
+                z.mul_(w.unsqueeze(1))
+                grad[s:e] = z.to(hidden.dtype) @ w_mat  # [c, H]
+            del z
+        ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
+        ctx.mark_non_differentiable(pred)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor, grad_pred: Tensor | None) -> tuple[Tensor | None, ...]:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, row_weights: Tensor,
+                          chunk: int = DEFAULT_CHUNK_ROWS) -> tuple[Tensor, Tensor]:
+    """``(sum of row_weights * CE [], argmax [N])`` over hidden [N, H] through ``weight`` [V, H]."""
+    return ChunkedCrossEntropy.apply(hidden, weight, targets, row_weights, chunk)
+
+
+@torch.no_grad()
+def chunked_argmax(hidden: Tensor, weight: Tensor, chunk: int = DEFAULT_CHUNK_ROWS) -> Tensor:
+    """Greedy predictions [N] of hidden [N, H], ``chunk`` rows of logits at a time."""
+    w_mat = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    return torch.cat([_chunk_logits(hidden[s:s + chunk], w_mat).argmax(-1)
+                      for s in range(0, hidden.shape[0], chunk)]) if hidden.shape[0] else \
+        torch.empty(0, dtype=torch.long, device=hidden.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
+
+
 def block_metrics(pred: Tensor, blocks: Blocks) -> dict[str, Tensor]:
-    """Exact per-batch metrics from greedy predictions pred [R, N, B] (row k predicts token a+k).
+    """Exact per-batch metrics from greedy predictions pred [A, B] (row k predicts token a+k).
 
     Returns detached tensors; the sums make aggregation across batches exact:
-      n_blocks (valid blocks), accepted_sum (sum over blocks of leading correct rows),
-      position_correct [B-1], position_count [B-1], acceptance_length (1 + accepted_sum / n_blocks),
-      accuracy_per_position [B-1]."""
-    correct = (pred == blocks.targets) & blocks.row_valid  # [R, N, B]
-    valid = blocks.layout.valid
-    run = correct[..., 1:].long().cumprod(dim=-1)  # [R, N, B-1]: 1 while every row so far was right
-    accepted = run.sum(-1)[valid]  # [n_valid]
-    n_blocks = valid.sum()
-    pos_correct = correct[..., 1:][valid].sum(0)  # [B-1]
-    pos_count = blocks.row_valid[..., 1:][valid].sum(0)  # [B-1]
+      n_blocks, accepted_sum (sum over blocks of leading correct rows), position_correct [B-1],
+      position_count [B-1], acceptance_length (1 + accepted_sum / n_blocks), accuracy_per_position [B-1]."""
+    correct = (pred == blocks.targets) & blocks.row_valid  # [A, B]
+    run = correct[:, 1:].long().cumprod(dim=-1)  # [A, B-1]: 1 while every row so far was right
     return finalize_metrics({
-        "n_blocks": n_blocks.detach(),
-        "accepted_sum": accepted.sum().detach(),
-        "position_correct": pos_correct.detach(),
-        "position_count": pos_count.detach(),
+        "n_blocks": torch.tensor(correct.shape[0], device=pred.device),
+        "accepted_sum": run.sum().detach(),
+        "position_correct": correct[:, 1:].sum(0).detach(),
+        "position_count": blocks.row_valid[:, 1:].sum(0).detach(),
     })
 
 
@@ -176,39 +258,65 @@ def merge_metrics(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str
     return finalize_metrics({k: a[k] + b[k] for k in keys})
 
 
-def forward_blocks(model: Any, batch: BatchLike, anchors: Tensor, valid: Tensor) -> tuple[Tensor, Blocks]:
-    """Run the drafter on the blocks at ``anchors``: logits [R, N, B, V] and the blocks."""
+# ----------------------------------------------------------------------------------------------
+# Putting it together
+# ----------------------------------------------------------------------------------------------
+
+
+def forward_blocks(model: Any, batch: BatchLike, flat: FlatBatch, anchors: Tensor) -> tuple[Tensor, Blocks]:
+    """Run the drafter on the blocks at ``anchors`` [A]: final hidden states [A, B, H] and the blocks."""
     cfg = model.config
-    blocks = build_blocks(batch, anchors, valid, cfg.block_size, cfg.mask_token_id)
-    hidden = model(batch.features, blocks.block_ids, batch.position_ids, blocks.block_positions, blocks.layout)
-    R, N = anchors.shape
-    logits = model.logits(hidden).view(R, N, cfg.block_size, -1)
-    return logits, blocks
+    blocks = build_blocks(flat, anchors, cfg.block_size, cfg.mask_token_id)
+    hidden = model(batch.features, blocks.block_ids, blocks.block_positions, blocks.layout)
+    return hidden, blocks
+
+
+@torch.no_grad()
+def predict_blocks(model: Any, batch: BatchLike, flat: FlatBatch, anchors: Tensor,
+                   chunk: int = DEFAULT_CHUNK_ROWS) -> tuple[Tensor, Blocks]:
+    """Greedy drafts [A, B] at ``anchors`` (row k predicts token a+k) and the blocks."""
+    hidden, blocks = forward_blocks(model, batch, flat, anchors)
+    A, B, H = hidden.shape
+    pred = chunked_argmax(hidden.reshape(A * B, H), model.lm_head, chunk).view(A, B)
+    return pred, blocks
 
 
 def dflash_loss(model: Any, batch: BatchLike, *, num_anchors: int = 512, gamma: float | None = None,
-                generator: torch.Generator | None = None) -> LossOutput:
+                generator: torch.Generator | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LossOutput:
     """The training loss and metrics of one batch. ``generator`` defaults to one seeded with ``batch.seed``."""
     B = model.config.block_size
     gamma = default_gamma(B) if gamma is None else gamma
     if generator is None:
         generator = torch.Generator().manual_seed(int(batch.seed))
-    anchors, valid = sample_anchors(eligible_anchors(batch.loss_mask, batch.doc_ids), num_anchors, generator)
-    logits, blocks = forward_blocks(model, batch, anchors, valid)  # [R, N, B, V]
-    ce = F.cross_entropy(logits.flatten(0, 2).float(), blocks.targets.flatten(), reduction="none")
-    w = loss_weights(B, gamma, logits.device) * blocks.row_valid.float()  # [R, N, B]
+    flat = FlatBatch.of(batch)
+    anchors = sample_anchors(flat.eligible, flat.docs, num_anchors, generator)  # [A]
+    if anchors.numel() == 0:
+        return _empty_loss(model, B)
+    hidden, blocks = forward_blocks(model, batch, flat, anchors)  # [A, B, H]
+    w = loss_weights(B, gamma, hidden.device).expand_as(blocks.row_valid) * blocks.row_valid  # [A, B]
+    rows = blocks.row_valid.reshape(-1).nonzero().flatten()  # the counted rows only: [N]
+    loss_sum, pred_rows = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[rows], model.lm_head,
+                                                blocks.targets.reshape(-1)[rows], w.reshape(-1)[rows], chunk_rows)
     total_w = w.sum()
-    loss = (ce * w.flatten()).sum() / total_w.clamp(min=1e-6)
-    metrics = block_metrics(logits.detach().argmax(-1), blocks)
+    loss = loss_sum / total_w.clamp(min=1e-6)
+    pred = torch.full_like(blocks.targets, -1)  # uncounted rows never count as correct
+    pred.view(-1)[rows] = pred_rows
+    metrics = block_metrics(pred, blocks)
     metrics["loss"] = loss.detach()
     metrics["weight_sum"] = total_w.detach()
     return LossOutput(loss=loss, metrics=metrics)
 
 
-def metrics_to_floats(metrics: dict[str, Tensor]) -> dict[str, Any]:
-    """Host-side values for logging (one sync): scalars -> float, vectors -> list[float]."""
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        v = v.detach().cpu()
-        out[k] = v.item() if v.ndim == 0 else [float(x) for x in v.tolist()]
-    return out
+def _empty_loss(model: Any, block_size: int) -> LossOutput:
+    """A batch without any eligible anchor: loss 0 that still gives every parameter a (zero) gradient, so
+    data-parallel ranks stay in step."""
+    device = model.lm_head.device
+    loss = sum((p.sum() * 0.0 for p in model.parameters() if p.requires_grad),
+               torch.zeros((), device=device))
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    metrics = finalize_metrics({"n_blocks": zero, "accepted_sum": zero,
+                                "position_correct": torch.zeros(block_size - 1, dtype=torch.long, device=device),
+                                "position_count": torch.zeros(block_size - 1, dtype=torch.long, device=device)})
+    metrics["loss"] = loss.detach()
+    metrics["weight_sum"] = torch.zeros((), device=device)
+    return LossOutput(loss=loss, metrics=metrics)

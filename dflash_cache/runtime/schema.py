@@ -88,7 +88,12 @@ class ModelConfig(Section):
     max_position_embeddings: int = 40960
     sliding_window: int | None = None
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    # How sliding_attention layers attend within the draft block: "bidirectional" (the DFlash reference and
+    # vLLM/SGLang) or "causal"; full_attention layers are always bidirectional. Written into the export.
+    sliding_within_block: Literal["bidirectional", "causal"] = "bidirectional"
     attention: Literal["auto", "sdpa", "flex"] = "auto"
+    # keep only each drafter layer's input for backward and recompute the layer (less memory, ~1/3 more compute)
+    activation_checkpointing: bool = False
     init_from: str | None = None  # a released drafter directory (config.json + safetensors)
 
 
@@ -103,13 +108,19 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
     grad_accum: int = Field(1, gt=0)
-    num_anchors: int = Field(512, gt=0)
+    num_anchors: int = Field(512, gt=0)  # blocks per document (sample), as in the DFlash recipe
+    # block rows whose full-vocabulary logits exist at once in the loss (forward and backward); bounds its memory
+    logits_chunk_rows: int = Field(2048, gt=0)
     loss_gamma: float | None = Field(None, gt=0)  # None: 7 for B=16, 5 for B=10, 4 for B=8
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
 
 
 class LoaderConfig(Section):
     tokens_per_batch: int = Field(16384, gt=0)  # rows * padded length <= this; a longer sample is an error
+    # block positions (blocks x block_size) per batch, at most; a batch of many short documents holds fewer
+    # documents so that the drafter's activations per step stay bounded (each document: min(train.num_anchors,
+    # length - 1) blocks, an upper bound of its eligible anchors)
+    max_block_positions: int = Field(65536, gt=0)
     num_readers: int = Field(2, gt=0)
     max_buffer_bytes: int = Field(1 << 30, gt=0)  # prefetched batches held in host memory, at most
     packing: bool = False  # pack several samples per row (doc_ids/position_ids mark documents)
