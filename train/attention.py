@@ -12,8 +12,9 @@ Block ``n`` is anchored at flat context index ``anchors[n]`` and occupies docume
 * within a block every row sees every other row (bidirectional), in every layer type, as in the
   DFlash reference and the serving engines. ``within_block = "causal"`` (for sliding-window layers,
   ``model.sliding_within_block``) makes row ``i`` see rows ``j <= i`` only;
-* a sliding-window layer also sees only context keys less than ``window`` positions behind the query
-  (document positions); the window does not apply within the block.
+* a sliding-window layer also sees only keys less than ``window`` positions away from the query
+  (document positions): context keys behind it, and (when ``window < B``) block rows on either side, as the
+  serving engines' symmetric window does.
 
 No query row is ever fully masked: each block row sees at least itself.
 
@@ -118,19 +119,21 @@ def _dense_mask(layout: BlockLayout, within_block: WithinBlock, window: int | No
     if window is not None:
         q_pos = layout.anchor_pos.view(A, 1, 1) + torch.arange(B, device=device).view(1, B, 1)
         ctx = ctx & ((q_pos - layout.ctx_pos.view(1, 1, C)) < window)
-    inner = _within_block(B, within_block, device)  # [B, B]
+    inner = _within_block(B, within_block, window, device)  # [B, B]
     eye = torch.eye(A, dtype=torch.bool, device=device)  # [A, A]
     blocks = (eye.view(A, 1, A, 1) & inner.view(1, B, 1, B)).reshape(A * B, A * B)
     mask = torch.cat([ctx.reshape(A * B, C), blocks], dim=1)
     return mask.view(1, 1, A * B, C + A * B)
 
 
-def _within_block(B: int, within_block: WithinBlock, device: torch.device) -> Tensor:
+def _within_block(B: int, within_block: WithinBlock, window: int | None, device: torch.device) -> Tensor:
+    i = torch.arange(B, device=device).view(B, 1)
+    j = torch.arange(B, device=device).view(1, B)
     inner = torch.ones(B, B, dtype=torch.bool, device=device)
     if within_block == "causal":
-        i = torch.arange(B, device=device).view(B, 1)
-        j = torch.arange(B, device=device).view(1, B)
         inner &= j <= i
+    if window is not None:
+        inner &= (i - j).abs() < window
     return inner
 
 
@@ -164,9 +167,12 @@ def _flex_mask(layout: BlockLayout, within_block: WithinBlock, window: int | Non
         if window is not None:
             ctx_ok = ctx_ok & ((anchor_pos[n] + i - ctx_pos[kc]) < window)
         kb = (kv_idx - C).clamp(min=0)
+        j = kb % B
         blk_ok = (~is_ctx) & (kb // B == n)
         if causal:
-            blk_ok = blk_ok & (kb % B <= i)
+            blk_ok = blk_ok & (j <= i)
+        if window is not None:
+            blk_ok = blk_ok & ((i - j).abs() < window)
         return ctx_ok | blk_ok
 
     make = _create_block_mask_fn(anchors.is_cuda)
