@@ -78,7 +78,9 @@ class ExtractConfig(Section):
 class ModelConfig(Section):
     num_hidden_layers: int = Field(5, gt=0)
     block_size: int = Field(16, ge=2)
-    mask_token_id: int | None = Field(None, ge=0)  # None: the teacher vocab's reserved id (Qwen3: 151669)
+    # The drafter's block-filler id. Extraction records it in the cache (this value when set, else the
+    # teacher tokenizer's mask token); training reads the cache's, and a different value here is an error.
+    mask_token_id: int | None = Field(None, ge=0)
     num_attention_heads: int = Field(32, gt=0)
     num_key_value_heads: int = Field(8, gt=0)
     head_dim: int = Field(128, gt=0)
