@@ -244,7 +244,7 @@ def test_live_prompts_are_the_tokens_before_the_first_loss_token(cache):
     assert [i for i, _ in prompts] == held[:3].tolist() and skipped == 0
     for (sid, ids), sample in zip(prompts, cache.read_samples(held[:3].tolist()), strict=True):
         first = int(sample.loss_mask.int().argmax())
-        assert first > 0 and ids == sample.input_ids[:first].tolist()
+        assert sid == sample.sample_id and first > 0 and ids == sample.input_ids[:first].tolist()
     assert [i for i, _ in live_prompts(cache, held, 100)[0]] == held.tolist()  # fewer samples than asked
 
 
