@@ -18,7 +18,8 @@ class Section(BaseModel):
 
 
 class TeacherConfig(Section):
-    # A local HF model directory, a hub id, or "builtin:tiny" (built locally on first use).
+    # A local HF model directory, a hub id, or a tiny teacher built locally on first use: "builtin:tiny"
+    # (Qwen3), "builtin:tiny-qwen3_5" (hybrid Gated DeltaNet), "builtin:tiny-qwen3_moe", "builtin:tiny-llama".
     path: str = "builtin:tiny"
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -152,7 +153,7 @@ class GuardsConfig(Section):
 class EvalConfig(Section):
     every_steps: int | None = Field(None, gt=0)  # held-out teacher-forced acceptance during training (eval/*)
     max_blocks: int | None = Field(None, gt=0)
-    live_prompts: int = Field(4, ge=0)
+    live_prompts: int = Field(4, ge=0)  # live decoding prompts, from the evaluated (held-out) samples of the cache
     live_max_new_tokens: int = Field(64, gt=0)
 
 
