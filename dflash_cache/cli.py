@@ -33,6 +33,8 @@ def cache_summary(url: str) -> dict[str, Any]:
         "codec": cache.spec.codec,
         "teacher": cache.spec.to_dict()["teacher"],
         "target_layer_ids": list(cache.spec.target_layer_ids),
+        "mask_token_id": cache.spec.mask_token_id,  # None: a cache written before it was recorded
+        "mask_token_source": cache.spec.mask_token_source,
         "fingerprint": cache.spec.fingerprint,
         "uncommitted_parts": cache.uncommitted(),
     }
@@ -44,6 +46,9 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"teacher      {t['name_or_path']} (rev {t['revision']}, {t['num_layers']} layers, hidden {t['hidden_size']}, "
           f"vocab {t['vocab_size']}, {t['dtype']})")
     print(f"layers       {info['target_layer_ids']}")
+    mask = (f"{info['mask_token_id']} (from the {info['mask_token_source']})" if info["mask_token_id"] is not None
+            else "not recorded (set model.mask_token_id to train on this cache)")
+    print(f"mask token   {mask}")
     print(f"codec        {info['codec']}   fingerprint {info['fingerprint']}")
     print(f"samples      {info['n_samples']}   tokens {info['n_tokens']}")
     print(f"bytes/token  {info['bytes_per_token']:.1f} on disk, {info['raw_bytes_per_token']} raw bf16 ({ratio:.3f})")

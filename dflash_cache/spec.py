@@ -13,6 +13,11 @@ from .errors import CacheError, ConfigError
 FORMAT_VERSION = 1
 CODECS = ("bf16-zstd", "bf16-lz4", "bf16-raw", "fp8-e4m3")
 ATTR_KEY = "dflash_cache"
+# Where a cache's mask token came from: "config" (model.mask_token_id, e.g. set by a Qwen3 preset) or
+# "tokenizer" (the teacher tokenizer's own mask token).
+MASK_TOKEN_SOURCES = ("config", "tokenizer")
+# Recorded for people, not part of compatibility: left out of the fingerprint.
+_PROVENANCE = ("mask_token_source",)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,11 @@ class CacheSpec:
     bucket_edges: tuple[int, ...] = (256, 512, 1024, 2048)
     dataset_fingerprint: str = ""
     format_version: int = field(default=FORMAT_VERSION)
+    # The drafter's block-filler token (an id of the teacher vocab), resolved at extraction so that
+    # training and export read it from here. None only in caches written before it was recorded;
+    # None fields are left out of to_dict(), so those caches keep their fingerprint.
+    mask_token_id: int | None = None
+    mask_token_source: str | None = None  # one of MASK_TOKEN_SOURCES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -65,6 +75,11 @@ class CacheSpec:
             raise ConfigError(f"bucket_edges must be strictly increasing positive lengths, got {edges}")
         if self.max_length <= 0:
             raise ConfigError(f"max_length must be positive, got {self.max_length}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.teacher.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the teacher vocabulary "
+                              f"[0, {self.teacher.vocab_size})")
+        if self.mask_token_source is not None and self.mask_token_source not in MASK_TOKEN_SOURCES:
+            raise ConfigError(f"mask_token_source {self.mask_token_source!r} is not one of {list(MASK_TOKEN_SOURCES)}")
 
     @property
     def n_layers(self) -> int:
@@ -87,12 +102,16 @@ class CacheSpec:
         d = dataclasses.asdict(self)
         d["target_layer_ids"] = list(self.target_layer_ids)
         d["bucket_edges"] = list(self.bucket_edges)
+        for key in ("mask_token_id", "mask_token_source"):
+            if d[key] is None:
+                del d[key]
         return d
 
     @property
     def fingerprint(self) -> str:
-        """sha256 (first 16 hex digits) of the canonical JSON of every field."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """sha256 (first 16 hex digits) of the canonical JSON of every field but the provenance ones."""
+        d = {k: v for k, v in self.to_dict().items() if k not in _PROVENANCE}
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def diff(self, other: CacheSpec) -> list[str]:

@@ -172,6 +172,17 @@ class FeatureCache:
                 out[i] = s
         return out  # type: ignore[return-value]
 
+    def read_token_ids(self, sample_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(input_ids [T], loss_mask [T])`` of each sample in the order asked, without its features
+        (only the parts' small arrays are read)."""
+        idx, pos = self._positions(sample_ids)
+        out = []
+        for p in pos.tolist():
+            reader = self._readers.get(idx.parts[int(idx.part[p])])
+            a, b = reader.span(int(idx.row[p]))
+            out.append((reader.small("input_ids")[a:b].astype(np.int64), reader.small("loss_mask")[a:b].astype(bool)))
+        return out
+
     def read_rows(self, part: PartInfo, rows: Sequence[int], out: Sequence[torch.Tensor] | None = None
                   ) -> list[Sample]:
         """Samples at positions ``rows`` of one part (the loader's batch path); ``out``: one bf16

@@ -13,7 +13,14 @@ from dflash_cache.runtime.schema import PipelineConfig
 from .data import load_records
 from .progress import human_bytes
 from .run import load_run_config, min_loss_tokens, template_options
-from .teacher import load_teacher_config, load_tokenizer, resolve_layer_ids
+from .teacher import (
+    kernel_hint,
+    load_teacher_config,
+    load_tokenizer,
+    missing_kernels,
+    resolve_layer_ids,
+    resolve_mask_token,
+)
 from .template import TokenizeStats, check_chat_template, prepare_samples
 
 # Stored bytes per raw bf16 byte of features (measured on activations with outlier channels);
@@ -31,6 +38,8 @@ class Estimate:
     bucket_samples: list[int]
     bucket_tokens: list[int]
     bytes_per_codec: dict[str, int] = field(default_factory=dict)
+    mask_token: tuple[int, str] = (0, "")  # (id, source) recorded in the cache
+    kernel_note: str = ""  # optional GPU kernels the teacher would use and that are missing
 
     def lines(self, codec: str) -> list[str]:
         s = self.stats
@@ -40,12 +49,15 @@ class Estimate:
             f"skipped: {s.n_bad} bad, {s.n_too_few_loss} with too few loss tokens; truncated: {s.n_truncated}",
             f"features: layers {self.layer_ids} x hidden {self.hidden_size} = "
             f"{len(self.layer_ids) * self.hidden_size} values per token",
+            f"mask token: {self.mask_token[0]} (from the {self.mask_token[1]})",
             "buckets: " + ", ".join(f"{b}: {n} samples / {t} tokens"
                                     for b, (n, t) in enumerate(zip(self.bucket_samples, self.bucket_tokens, strict=True))),
             "projected cache size:",
         ]
         for name, n in self.bytes_per_codec.items():
             out.append(f"  {name:10s} {human_bytes(n):>12s}{'   <- configured' if name == codec else ''}")
+        if self.kernel_note:
+            out.append(f"note: {self.kernel_note} (extraction time on GPU depends on it)")
         return out
 
 
@@ -63,6 +75,7 @@ def estimate(cfg: PipelineConfig) -> Estimate:
     tokenizer = load_tokenizer(cfg.teacher)
     text_cfg = load_teacher_config(cfg.teacher)
     layer_ids = resolve_layer_ids(cfg.cache, int(text_cfg.num_hidden_layers))
+    mask_token = resolve_mask_token(cfg.model.mask_token_id, tokenizer, int(text_cfg.vocab_size))
     data = load_records(cfg.data.path, cfg.data.skip_bad)
     if any(not r.pretokenized for r in data.records):
         check_chat_template(tokenizer)
@@ -77,7 +90,8 @@ def estimate(cfg: PipelineConfig) -> Estimate:
         bt[b] += s.length
     hidden = int(text_cfg.hidden_size)
     return Estimate(stats, data.n_total, hidden, layer_ids, bs, bt,
-                    projected_bytes(stats.n_tokens, len(layer_ids), hidden))
+                    projected_bytes(stats.n_tokens, len(layer_ids), hidden), mask_token,
+                    kernel_hint(missing_kernels(text_cfg)))
 
 
 def cli_main(argv: Sequence[str]) -> int:

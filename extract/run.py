@@ -35,6 +35,7 @@ from .teacher import (
     load_teacher,
     num_decoder_layers,
     resolve_layer_ids,
+    resolve_mask_token,
     teacher_device,
     teacher_name,
 )
@@ -106,15 +107,17 @@ def template_options(cfg: PipelineConfig) -> TemplateOptions:
 
 def build_spec(cfg: PipelineConfig, model: Any, tokenizer: Any, layer_ids: list[int], dataset_fp: str) -> CacheSpec:
     text = model.config.get_text_config()
+    vocab = int(model.get_output_embeddings().weight.shape[0])
     teacher = TeacherInfo(
         name_or_path=teacher_name(cfg.teacher), revision=cfg.teacher.revision,
         num_layers=num_decoder_layers(model), hidden_size=int(text.hidden_size),
-        vocab_size=int(model.get_output_embeddings().weight.shape[0]), dtype=cfg.teacher.dtype,
+        vocab_size=vocab, dtype=cfg.teacher.dtype,
     )
+    mask_id, mask_source = resolve_mask_token(cfg.model.mask_token_id, tokenizer, vocab)
     return CacheSpec(
         teacher=teacher, target_layer_ids=layer_ids, tokenizer_hash=tokenizer_hash(tokenizer, template_options(cfg)),
         max_length=cfg.data.max_length, codec=cfg.cache.codec, bucket_edges=cfg.cache.bucket_edges,
-        dataset_fingerprint=dataset_fp,
+        dataset_fingerprint=dataset_fp, mask_token_id=mask_id, mask_token_source=mask_source,
     )
 
 

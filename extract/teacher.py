@@ -1,13 +1,17 @@
 """The teacher: loading (HF transformers) and feature capture with forward hooks.
 
-Layer id ``k`` is the output of decoder layer ``k``, i.e. HF ``hidden_states[k + 1]`` (for the last
-layer, HF applies the final norm to ``hidden_states[-1]``; the capture is the layer output before it). Hooks sit on
-the chosen decoder layers only; by default the forward stops right after the deepest chosen layer,
-so neither the remaining layers nor the vocabulary logits are computed.
+Layer id ``k`` means HF ``hidden_states[k + 1]`` for every ``k`` in ``0..L-1``: the output of decoder layer
+``k``, except for the last layer, where HF's ``hidden_states[L]`` is the decoder's ``last_hidden_state``
+(after the final norm), so the capture of ``k = L-1`` is taken there too. Serving engines and the
+reference drafter read ``hidden_states[k + 1]``; a drafter trained on anything else accepts less.
+Hooks sit on the chosen decoder layers only (and on the decoder itself when ``L-1`` is chosen); by
+default the forward stops right after the deepest chosen layer, so neither the remaining layers nor
+the vocabulary logits are computed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,22 +22,28 @@ from torch import nn
 
 from dflash_cache.errors import ConfigError
 from dflash_cache.runtime.dist import launcher_env
+from dflash_cache.runtime.log import process_rank
 from dflash_cache.runtime.schema import CacheConfig, TeacherConfig
 
-from .tiny import BUILTIN_TEACHER, resolve_tiny_teacher
+from .tiny import BUILTIN_TEACHERS, resolve_tiny_teacher
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARGMAX_CHUNK_TOKENS = 2048  # lm_head rows computed at a time when only the argmax is wanted
+# Optional GPU kernels by teacher layer type, as (module, pip package): without them transformers runs
+# these layers in its reference PyTorch code (correct, but many times slower on long sequences).
+FAST_KERNELS = {
+    "linear_attention": (("fla", "flash-linear-attention"), ("causal_conv1d", "causal-conv1d")),  # Gated DeltaNet
+}
 
 
 def resolve_teacher_path(path: str) -> str:
-    """``builtin:tiny`` -> the locally built tiny teacher; anything else is returned unchanged."""
-    if path == BUILTIN_TEACHER:
-        return str(resolve_tiny_teacher())
+    """``builtin:tiny[-ARCH]`` -> the locally built tiny teacher; anything else is returned unchanged."""
+    if path in BUILTIN_TEACHERS:
+        return str(resolve_tiny_teacher(arch=BUILTIN_TEACHERS[path]))
     if path.startswith("builtin:"):
-        raise ConfigError(f"teacher.path {path!r}: unknown built-in teacher; the only one is {BUILTIN_TEACHER!r}")
+        raise ConfigError(f"teacher.path {path!r}: unknown built-in teacher; expected one of {sorted(BUILTIN_TEACHERS)}")
     return path
 
 
@@ -88,6 +98,30 @@ def load_tokenizer(teacher_cfg: TeacherConfig) -> Any:
         ) from None
 
 
+def resolve_mask_token(mask_token_id: int | None, tokenizer: Any, vocab_size: int) -> tuple[int, str]:
+    """``(id, source)`` of the drafter's mask token for this teacher, recorded in the cache spec.
+
+    ``model.mask_token_id`` wins when set (source ``"config"``; the Qwen3 presets set it to a reserved
+    id of their vocabulary); else the tokenizer's own mask token (``"tokenizer"``); else an error.
+    """
+    if mask_token_id is not None:
+        found, source, what = int(mask_token_id), "config", f"model.mask_token_id = {mask_token_id}"
+    elif getattr(tokenizer, "mask_token_id", None) is not None:
+        found, source = int(tokenizer.mask_token_id), "tokenizer"
+        what = f"the tokenizer's mask token {tokenizer.mask_token!r} (id {found})"
+    else:
+        raise ConfigError(
+            "model.mask_token_id is not set and the teacher's tokenizer has no mask token: the drafter fills its "
+            "blocks with a reserved id of the teacher vocabulary, recorded in the cache at extraction. Set "
+            f"model.mask_token_id to an id below {vocab_size} that the tokenizer never produces (Qwen3: 151669, "
+            "Qwen3.5/3.6: 248070, as in configs/)"
+        )
+    if not 0 <= found < vocab_size:
+        raise ConfigError(f"{what} is outside the teacher vocabulary [0, {vocab_size}); set model.mask_token_id "
+                          "to a reserved id of the teacher vocabulary")
+    return found, source
+
+
 def load_teacher_config(teacher_cfg: TeacherConfig) -> Any:
     """The teacher's HF text config (no weights are loaded)."""
     from transformers import AutoConfig
@@ -100,6 +134,35 @@ def load_teacher_config(teacher_cfg: TeacherConfig) -> Any:
     except OSError as err:
         raise ConfigError(f"teacher.path {teacher_cfg.path!r}: could not load config.json ({err})") from None
     return cfg.get_text_config()
+
+
+def missing_kernels(text_config: Any) -> dict[str, list[str]]:
+    """``layer type -> pip packages not installed`` for the optional fast kernels the teacher's layers use."""
+    types = set(getattr(text_config, "layer_types", None) or ())
+    out = {}
+    for kind in sorted(types & FAST_KERNELS.keys()):
+        missing = [pip for module, pip in FAST_KERNELS[kind] if importlib.util.find_spec(module) is None]
+        if missing:
+            out[kind] = missing
+    return out
+
+
+def kernel_hint(missing: dict[str, list[str]]) -> str:
+    """One sentence naming the slow layers and the install command (empty when nothing is missing)."""
+    if not missing:
+        return ""
+    packages = sorted({p for ps in missing.values() for p in ps})
+    return (f"the teacher's {' and '.join(missing)} layers run in transformers' slow PyTorch fallback on GPU "
+            f"without {', '.join(packages)}: pip install {' '.join(packages)}")
+
+
+def warn_missing_kernels(text_config: Any, device: torch.device) -> None:
+    """Say once (rank 0) that a CUDA teacher lacks optional kernels; on CPU they would not be used anyway."""
+    hint = kernel_hint(missing_kernels(text_config))
+    if hint and device.type == "cuda" and process_rank() == 0:
+        log.warning(hint)
+    elif hint:
+        log.debug(hint)
 
 
 def load_teacher(teacher_cfg: TeacherConfig) -> tuple[nn.Module, Any]:
@@ -128,6 +191,7 @@ def load_teacher(teacher_cfg: TeacherConfig) -> tuple[nn.Module, Any]:
     if not teacher_cfg.device_map:
         model.to(resolve_device(teacher_cfg.device))
     model.eval().requires_grad_(False)
+    warn_missing_kernels(model.config.get_text_config(), teacher_device(model))
     return model, load_tokenizer(teacher_cfg)
 
 
@@ -146,6 +210,21 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not lists:
         raise ConfigError(f"{type(model).__name__}: found no decoder layer list to hook")
     return max(lists, key=len)
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The module whose output is ``last_hidden_state`` (``model.model`` for Qwen3 / Llama)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        raise ConfigError(f"{type(model).__name__}: found no decoder module whose output is HF's last hidden state; "
+                          "choose target layers below the last one")
+    return decoder
+
+
+def _last_is_post_norm(decoder: nn.Module) -> bool:
+    """Whether HF's ``hidden_states[L]`` is the decoder's normed ``last_hidden_state`` (true for all causal
+    LMs unless a config sets ``tie_last_hidden_states = False``)."""
+    return getattr(getattr(decoder, "config", None), "tie_last_hidden_states", None) is not False
 
 
 def num_decoder_layers(model: nn.Module) -> int:
@@ -206,7 +285,10 @@ class LayerCapture:
         deepest = max(self.layer_ids)
 
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output  # [B, T, H]
+            if hasattr(output, "last_hidden_state"):  # the decoder's output: HF's hidden_states[L]
+                hidden = output.last_hidden_state  # [B, T, H]
+            else:
+                hidden = output[0] if isinstance(output, tuple) else output  # [B, T, H]
             self._outputs[layer_id] = hidden
             if self.stop_after_last and layer_id == deepest:
                 raise _StopForward
@@ -215,8 +297,13 @@ class LayerCapture:
 
     def __enter__(self) -> LayerCapture:
         self._outputs.clear()
+        last = len(self._layers) - 1
         for k in self.layer_ids:
-            self._handles.append(self._layers[k].register_forward_hook(self._hook(k)))
+            module = self._layers[k]
+            if k == last:  # HF's hidden_states[L] is the decoder's output (after the final norm)
+                decoder = _decoder(self.model)
+                module = decoder if _last_is_post_norm(decoder) else module
+            self._handles.append(module.register_forward_hook(self._hook(k)))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+from dflash_cache.store import open_cache
 from train.checkpoint import find_latest
 from train.demo import run_demo
+from train.evaluate import holdout_sample_ids
 from train.metrics import read_metrics
 
 # A quarter of the built-in prompts, shorter replies, fewer anchors per row; still enough steps to learn.
@@ -36,6 +38,9 @@ def test_demo_trained_drafter_beats_untrained(tiny_teacher_dir, tmp_path):
     assert summary["untrained_acceptance_length"] < 1.1
     assert summary["acceptance_length"] > summary["untrained_acceptance_length"] + 0.3
     assert summary["live_acceptance_length"] >= 1.0
+    # live decoding prompts come from held-out samples, never from the training set
+    held = set(holdout_sample_ids(open_cache(summary["cache"]), 0.15).tolist())
+    assert len(summary["live_prompt_sample_ids"]) == 1 and set(summary["live_prompt_sample_ids"]) <= held
 
     run = out / "run"
     steps = [r["step"] for r in read_metrics(run)]

@@ -13,12 +13,13 @@ from dflash_cache.runtime.schema import CheckpointConfig, ModelConfig, PipelineC
 from train.checkpoint import Checkpointer
 from train.evaluate import (
     _sample_batch,
-    chat_prompts,
     cli_main,
     greedy_reference,
     holdout_sample_ids,
     live_eval,
+    live_prompts,
     propose,
+    speculative_decode,
     teacher_forced_eval,
 )
 from train.model import DFlashConfig, DFlashDrafter, build_drafter
@@ -156,7 +157,8 @@ def _live_drafter(teacher) -> DFlashDrafter:
 def _prompts(tokenizer):
     from extract.builtin_text import builtin_prompts
 
-    return chat_prompts(tokenizer, builtin_prompts(2), None)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"] for t in builtin_prompts(2)]
 
 
 def test_live_decoding_is_lossless_with_an_untrained_drafter(tiny_teacher):
@@ -169,27 +171,81 @@ def test_live_decoding_is_lossless_with_an_untrained_drafter(tiny_teacher):
     assert len(res.prompts) == 2
     for p in res.prompts:
         assert 1.0 <= p.tau <= 4.0
-        assert sum(p.accepted_per_cycle) == len(p.generated) - 1  # the prefill gives the first token
+        produced = 1 + sum(p.accepted_per_cycle)  # the prefill gives the first token
+        assert produced >= len(p.generated)
+        assert produced - p.accepted_per_cycle[-1] <= 10  # each cycle ran while at most 10 tokens existed
 
 
-def test_live_decoding_accepts_whole_blocks_from_an_oracle_drafter(tiny_teacher, monkeypatch):
-    """A drafter that proposes the teacher's own continuation gets every block accepted: tau = B."""
+def _oracle(monkeypatch, prompt, want, hits=None):
+    """A drafter proposing the teacher's own continuation ``want``, right for the first ``hits[cycle]``
+    drafts of each cycle (all 3 when ``hits`` is None) and wrong after."""
     import train.evaluate as ev
-    teacher, tokenizer = tiny_teacher
-    model = _live_drafter(teacher)
-    prompt = _prompts(tokenizer)[0]
-    want = greedy_reference(teacher, prompt, 10, set())
+
+    cycles = []
 
     def oracle(model, ctx_features, last_token):
         done = ctx_features.shape[0] - len(prompt) + 1  # generated tokens up to and including last_token
         assert want[done - 1] == last_token
-        return (want[done:] + [0] * 4)[:3]
+        k = 3 if hits is None else hits[len(cycles)]
+        cycles.append(k)
+        wrong = (want[done + k] + 1) % 700  # not the teacher's token
+        return want[done:done + k] + [wrong] * (3 - k)
 
     monkeypatch.setattr(ev, "propose", oracle)
+
+
+def test_live_decoding_accepts_whole_blocks_from_an_oracle_drafter(tiny_teacher, monkeypatch):
+    """A drafter that proposes the teacher's own continuation gets every block accepted: tau = B, also
+    when the budget cuts the last block (it counts in full, as in the DFlash reference loop)."""
+    teacher, tokenizer = tiny_teacher
+    model = _live_drafter(teacher)
+    prompt = _prompts(tokenizer)[0]
+    want = greedy_reference(teacher, prompt, 16, set())
+    _oracle(monkeypatch, prompt, want)
     res = live_eval(model, teacher, [prompt], max_new_tokens=10, eos=set(), layer_ids=[1, 2, 3])
-    assert res.prompts[0].generated == want
-    assert res.prompts[0].accepted_per_cycle == [4, 4, 1]  # the last cycle is cut at max_new_tokens
-    assert res.tau == 3.0
+    assert res.prompts[0].generated == want[:10]
+    # 1 (prefill) + 4 + 4 = 9 <= 10 tokens: a third cycle runs; its 4 tokens run past the budget, all count
+    assert res.prompts[0].accepted_per_cycle == [4, 4, 4]
+    assert res.tau == 4.0
+
+
+def test_live_tau_counts_cycles_like_the_reference(tiny_teacher, monkeypatch):
+    """Cycles run while at most max_new_tokens tokens exist (one more runs when the budget is met
+    exactly); a stop token ends the loop after its cycle, which counts in full; the overall tau is the
+    mean of the per-prompt taus."""
+    from train.evaluate import LiveResult
+
+    teacher, tokenizer = tiny_teacher
+    model = _live_drafter(teacher)
+    p0, p1 = _prompts(tokenizer)
+    want0, want1 = greedy_reference(teacher, p0, 16, set()), greedy_reference(teacher, p1, 16, set())
+
+    _oracle(monkeypatch, p0, want0, hits=[3, 2, 3])
+    got = speculative_decode(model, teacher, p0, 8, set(), [1, 2, 3])
+    assert got.accepted_per_cycle == [4, 3, 4]  # 1 + 4 + 3 = 8 tokens = the budget: one more cycle runs
+    assert got.generated == want0[:8]
+
+    assert want0[3] not in want0[:3]
+    _oracle(monkeypatch, p0, want0, hits=[1, 3])
+    got = speculative_decode(model, teacher, p0, 10, {want0[3]}, [1, 2, 3])  # the stop token is the 4th
+    assert got.accepted_per_cycle == [2, 4] and got.generated == want0[:4]
+
+    _oracle(monkeypatch, p0, want0, hits=[3, 3, 3])
+    a = speculative_decode(model, teacher, p0, 10, set(), [1, 2, 3])
+    _oracle(monkeypatch, p1, want1, hits=[0] * 10)
+    b = speculative_decode(model, teacher, p1, 10, set(), [1, 2, 3])
+    assert a.accepted_per_cycle == [4, 4, 4] and b.accepted_per_cycle == [1] * 10
+    assert LiveResult([a, b]).tau == 2.5  # (4 + 1) / 2, not the pooled 22 / 13
+
+
+def test_live_prompts_are_the_tokens_before_the_first_loss_token(cache):
+    held = holdout_sample_ids(cache, 0.3)
+    prompts, skipped = live_prompts(cache, held, 3)
+    assert [i for i, _ in prompts] == held[:3].tolist() and skipped == 0
+    for (sid, ids), sample in zip(prompts, cache.read_samples(held[:3].tolist()), strict=True):
+        first = int(sample.loss_mask.int().argmax())
+        assert sid == sample.sample_id and first > 0 and ids == sample.input_ids[:first].tolist()
+    assert [i for i, _ in live_prompts(cache, held, 100)[0]] == held.tolist()  # fewer samples than asked
 
 
 def test_propose_drafts_block_size_minus_one_tokens(tiny_teacher):

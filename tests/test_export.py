@@ -56,6 +56,7 @@ def test_names_shapes_and_config_match_the_released_qwen3_8b_drafter():
     # built the way training builds it: model section of the 8B preset + a cache spec of Qwen3-8B
     spec = _spec(hidden=4096, vocab=151936, layers=(1, 9, 17, 25, 33))
     spec.teacher.num_layers = 36
+    spec.mask_token_id = 151669  # recorded by dflash-extract (the 8B preset sets model.mask_token_id)
     from train.model import drafter_config
 
     mc = ModelConfig(mask_token_id=None, max_position_embeddings=40960)

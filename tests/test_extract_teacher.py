@@ -40,17 +40,25 @@ def test_default_layer_ids():
         default_layer_ids(6, 4)
 
 
-def test_captured_layer_k_equals_hidden_states_k_plus_1(model):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "qwen3_moe", "llama"])
+def test_captured_layer_k_equals_hidden_states_k_plus_1(arch):
+    """Every layer id, the last included (HF's hidden_states[L] is after the final norm), for every
+    tiny teacher family; with and without the logits, and on the argmax path."""
+    from extract.tiny import resolve_tiny_teacher
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_tiny_teacher(arch=arch)).eval()
     ids, mask = _batch()
-    layer_ids = [0, 2, 4]  # not 5: HF's last hidden state is after the final norm, a hook's is before
-    feats, logits = capture_features(model, ids, mask, layer_ids)
+    layer_ids = list(range(len(decoder_layers(model))))
     with torch.no_grad():
         hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-    h = model.config.hidden_size
-    assert feats.shape == (3, 21, len(layer_ids) * h)
-    assert logits is None
+    h = model.config.get_text_config().hidden_size
+    feats, logits = capture_features(model, ids, mask, layer_ids)
+    assert feats.shape == (3, 21, len(layer_ids) * h) and logits is None
     for i, k in enumerate(layer_ids):
         assert torch.equal(feats[..., i * h:(i + 1) * h], hs[k + 1]), k
+    for only in ([layer_ids[-1]], [0, layer_ids[-1]]):
+        assert torch.equal(capture_features(model, ids, mask, only, with_logits=True)[0][..., -h:], hs[-1])
+        assert torch.equal(capture_features_and_argmax(model, ids, mask, only)[0][..., -h:], hs[-1])
 
 
 def test_stops_after_deepest_layer_and_forms_no_logits(model):
@@ -67,6 +75,10 @@ def test_stops_after_deepest_layer_and_forms_no_logits(model):
         _, logits = capture_features(model, ids, mask, [1, 2], with_logits=True)
         assert ran == list(range(6)) and head_calls == [1]
         assert torch.equal(logits, model(input_ids=ids, attention_mask=mask).logits)
+        ran.clear()
+        head_calls.clear()
+        capture_features(model, ids, mask, [5])  # the last layer: the decoder's normed output, still no logits
+        assert ran == list(range(6)) and head_calls == []
     finally:
         for hd in handles:
             hd.remove()

@@ -68,9 +68,11 @@ def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Pat
         "heldout_blocks": tf_trained.n_blocks,
     }
     if live:
-        res = run_live(trained, cfg, cache)
+        res = run_live(trained, cfg, cache, ids)  # prompts from held-out samples, like the teacher-forced eval
         out["live_acceptance_length"] = res["tau"]
         out["live_tau_per_prompt"] = res["tau_per_prompt"]
+        out["live_prompt_sample_ids"] = [p["sample_id"] for p in res["prompts"]]
+        out["live_tau_convention"] = res["tau_convention"]
     return out
 
 
@@ -104,7 +106,8 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
           f"  vs untrained {s['untrained_acceptance_length']:.3f}")
     if "live_acceptance_length" in s:
         print(f"live speculative decoding with the teacher:   tau {s['live_acceptance_length']:.3f}"
-              " (output identical to the teacher's greedy decoding)")
+              f" on {len(s['live_tau_per_prompt'])} held-out prompts (output identical to the teacher's greedy "
+              "decoding)")
     print(f"whole demo: {s['seconds']:.0f} s; figures in {out / 'summary.json'}")
     print(f"TensorBoard:  tensorboard --logdir {s['run_dir']}")
     print(f"Run report:   dflash-train report {s['run_dir']}")

@@ -6,11 +6,18 @@ Two measurements of the same quantity, the acceptance length tau (tokens per tar
   training plan leaves out: id hash below ``loader.holdout_fraction``), every eligible anchor, greedy
   drafts; tau = 1 + mean number of leading drafted tokens equal to the data, per-position accuracy.
   A block near the end of a sample cannot be accepted past it, so tau is capped there.
-* **live** (:func:`live_eval`): real greedy speculative decoding with the teacher. Each cycle the
-  drafter proposes B-1 tokens from the teacher's captured features of the accepted context, the
-  teacher verifies the block in one forward, the longest matching prefix plus the teacher's own next
-  token is kept. Reports tau per prompt and overall, and checks that the output equals the teacher's
-  plain greedy decoding token for token (any difference is an error: the decoding is lossless).
+* **live** (:func:`live_eval`): real greedy speculative decoding with the teacher, on prompts taken from
+  the same held-out samples (:func:`live_prompts`: each sample's tokens before its first loss token,
+  i.e. the conversation up to the first assistant turn's generation prompt). Each cycle the drafter
+  proposes B-1 tokens from the teacher's captured features of the accepted context, the teacher
+  verifies the block in one forward, the longest matching prefix plus the teacher's own next token is
+  kept. The output must equal the teacher's plain greedy decoding token for token (any difference is
+  an error: the decoding is lossless).
+
+Live tau follows the DFlash reference's convention (:data:`TAU_CONVENTION`): a cycle's count is the
+drafts it kept + 1, never cut by the token budget or a stop token (the output is cut, the count is
+not); cycles run until more than ``max_new_tokens`` tokens exist or a stop token appears, the first
+one always; a prompt's tau is the mean over its cycles and the overall tau the mean over prompts.
 """
 
 from __future__ import annotations
@@ -33,6 +40,14 @@ from .attention import BlockLayout
 from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
 
 log = logging.getLogger(__name__)
+
+
+TAU_CONVENTION = (
+    "live tau = mean over prompts of the prompt's mean accepted tokens per draft-verify cycle; a cycle counts "
+    "the drafts it kept + 1 (the teacher's own token) in full, also the last one, whose tokens past the budget "
+    "or a stop token are dropped from the output; cycles run until more than max_new_tokens tokens exist or a "
+    "stop token appears (the DFlash reference's dflash_generate + benchmark convention)"
+)
 
 
 class LosslessnessError(DFlashError):
@@ -127,8 +142,9 @@ def teacher_forced_eval(model: Any, cache: Any, sample_ids: Sequence[int], *, ma
 @dataclass
 class LivePromptResult:
     prompt_tokens: int
-    generated: list[int]
-    accepted_per_cycle: list[int]  # tokens each teacher verification produced (drafts kept + 1)
+    generated: list[int]  # cut at max_new_tokens and after the first stop token
+    accepted_per_cycle: list[int]  # per teacher verification: drafts kept + 1, never cut (TAU_CONVENTION)
+    sample_id: int | None = None  # the cache sample the prompt came from
 
     @property
     def tau(self) -> float:
@@ -141,8 +157,27 @@ class LiveResult:
 
     @property
     def tau(self) -> float:
-        cycles = [n for p in self.prompts for n in p.accepted_per_cycle]
-        return sum(cycles) / max(1, len(cycles))
+        """Mean of the per-prompt taus (as the reference benchmark averages)."""
+        return sum(p.tau for p in self.prompts) / max(1, len(self.prompts))
+
+
+def live_prompts(cache: Any, sample_ids: Sequence[int], n: int) -> tuple[list[tuple[int, list[int]]], int]:
+    """Up to ``n`` prompts from ``sample_ids`` (in order), as ``(sample id, token ids)``: each sample's
+    tokens before its first loss token, i.e. the conversation up to the first assistant turn's
+    generation prompt, as the teacher saw it at extraction. Reads no features. Returns the prompts and
+    the number of samples passed over (no token before the first loss token)."""
+    prompts: list[tuple[int, list[int]]] = []
+    skipped, at = 0, 0
+    while len(prompts) < n and at < len(sample_ids):
+        chunk = [int(i) for i in sample_ids[at:at + n - len(prompts)]]
+        at += len(chunk)
+        for sid, (ids, mask) in zip(chunk, cache.read_token_ids(chunk), strict=True):
+            first = int(mask.argmax()) if mask.any() else 0
+            if first == 0:
+                skipped += 1
+                continue
+            prompts.append((sid, ids[:first].tolist()))
+    return prompts, skipped
 
 
 def _teacher_step(teacher: Any, ids: list[int], layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
@@ -192,11 +227,13 @@ def propose(model: Any, ctx_features: Tensor, last_token: int) -> list[int]:
 @torch.no_grad()
 def speculative_decode(model: Any, teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int],
                        layer_ids: Sequence[int]) -> LivePromptResult:
-    """Greedy speculative decoding; the teacher verifies each drafted block in one forward."""
+    """Greedy speculative decoding; the teacher verifies each drafted block in one forward. Cycles are
+    run and counted as :data:`TAU_CONVENTION` says."""
     feats, nxt = _teacher_step(teacher, prompt, layer_ids)  # prefill
     seq, pending = list(prompt), int(nxt[-1])  # seq: tokens the teacher has features for
     generated, cycles = [pending], []
-    while len(generated) < max_new_tokens and pending not in eos:
+    stopped = pending in eos
+    while True:
         drafts = propose(model, feats, pending)
         feats_v, post = _teacher_step(teacher, seq + [pending] + drafts, layer_ids)
         P = len(seq)
@@ -205,19 +242,20 @@ def speculative_decode(model: Any, teacher: Any, prompt: list[int], max_new_toke
         while n < len(drafts) and drafts[n] == verdict[n]:
             n += 1
         new = drafts[:n] + [verdict[n]]
-        room = max_new_tokens - len(generated)
-        stop = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        new = new[:min(room, stop)]
         cycles.append(len(new))
         seq = seq + [pending] + new[:-1]
         feats = feats_v[: len(seq)]
         generated.extend(new)
         pending = new[-1]
-    return LivePromptResult(len(prompt), generated, cycles)
+        stopped = stopped or any(t in eos for t in new)
+        if stopped or len(generated) > max_new_tokens:
+            break
+    stop = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
+    return LivePromptResult(len(prompt), generated[:min(stop, max_new_tokens)], cycles)
 
 
 def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new_tokens: int, eos: set[int],
-              layer_ids: Sequence[int]) -> LiveResult:
+              layer_ids: Sequence[int], sample_ids: Sequence[int] | None = None) -> LiveResult:
     """Speculative decoding on every prompt, checked token for token against the teacher's greedy output."""
     was_training = model.training
     model.eval()
@@ -225,6 +263,7 @@ def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new
     try:
         for i, prompt in enumerate(prompts):
             got = speculative_decode(model, teacher, prompt, max_new_tokens, eos, layer_ids)
+            got.sample_id = None if sample_ids is None else int(sample_ids[i])
             want = greedy_reference(teacher, prompt, max_new_tokens, eos)
             if got.generated != want:
                 k = next((j for j, (a, b) in enumerate(zip(got.generated, want, strict=False)) if a != b),
@@ -239,19 +278,6 @@ def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new
     finally:
         model.train(was_training)
     return result
-
-
-def chat_prompts(tokenizer: Any, texts: Sequence[str], enable_thinking: bool | None) -> list[list[int]]:
-    """Token ids of each text as a single user turn with the generation prompt."""
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    out = []
-    for text in texts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, **kwargs)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        out.append([int(t) for t in ids])
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,7 +313,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="checkpoint dir, run dir (latest checkpoint) or drafter dir")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--samples", choices=["holdout", "all"], default="holdout",
-                   help="teacher-forced eval over the held-out samples (default) or the whole cache")
+                   help="evaluate (teacher-forced, and live prompts) on the held-out samples (default) or the whole "
+                        "cache (which includes the training samples)")
     p.add_argument("--live", action="store_true", help="also run live speculative decoding with the teacher")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -308,7 +335,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     tf = teacher_forced_eval(model, cache, ids, max_blocks=cfg.eval.max_blocks)
     report: dict[str, Any] = asdict(tf)
     if args.live:
-        report["live"] = run_live(model, cfg, cache)
+        report["live"] = run_live(model, cfg, cache, ids, prompt_source=args.samples)
     if args.json:
         print(json.dumps(report))
     else:
@@ -317,20 +344,39 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
               + " ".join(f"{a:.3f}" for a in tf.per_position_accuracy))
         if args.live:
             live = report["live"]
-            print(f"live: tau {live['tau']:.3f} overall; per prompt "
+            print(f"live: tau {live['tau']:.3f} over {len(live['prompts'])} {args.samples} prompts; per prompt "
                   + " ".join(f"{t:.2f}" for t in live["tau_per_prompt"]) + "; lossless: yes")
+            print(f"  ({TAU_CONVENTION})")
     return 0
 
 
-def run_live(model: Any, cfg: Any, cache: Any) -> dict[str, Any]:
-    from extract.builtin_text import builtin_prompts
+def run_live(model: Any, cfg: Any, cache: Any, sample_ids: Sequence[int], prompt_source: str = "holdout"
+             ) -> dict[str, Any]:
+    """Live speculative decoding on ``eval.live_prompts`` prompts from ``sample_ids`` (the held-out ones,
+    unless the caller says otherwise in ``prompt_source``); the ``--json`` document's ``live`` entry."""
     from extract.teacher import load_teacher
 
+    n = cfg.eval.live_prompts
+    prompts, skipped = live_prompts(cache, sample_ids, n)
+    if not prompts:
+        raise ConfigError(
+            f"no prompts for live decoding: eval.live_prompts = {n} and {len(sample_ids)} {prompt_source} "
+            f"sample(s) ({skipped} without a prompt before their first assistant turn); with --samples holdout, "
+            "raise loader.holdout_fraction before training"
+        )
+    if len(prompts) < n:
+        log.warning("live decoding on %d prompt(s), not eval.live_prompts = %d: only %d %s sample(s) (%d without "
+                    "a prompt)", len(prompts), n, len(sample_ids), prompt_source, skipped)
     teacher, tokenizer = load_teacher(cfg.teacher)
-    texts = builtin_prompts(cfg.eval.live_prompts) if cfg.eval.live_prompts else []
-    prompts = chat_prompts(tokenizer, texts, cfg.data.enable_thinking)
     eos = {int(t) for t in np.atleast_1d(teacher.generation_config.eos_token_id or tokenizer.eos_token_id)}
-    res = live_eval(model, teacher, prompts, max_new_tokens=cfg.eval.live_max_new_tokens, eos=eos,
-                    layer_ids=list(cache.spec.target_layer_ids))
-    return {"tau": res.tau, "tau_per_prompt": [p.tau for p in res.prompts],
-            "generated_tokens": [len(p.generated) for p in res.prompts], "lossless": True}
+    res = live_eval(model, teacher, [p for _, p in prompts], max_new_tokens=cfg.eval.live_max_new_tokens, eos=eos,
+                    layer_ids=list(cache.spec.target_layer_ids), sample_ids=[i for i, _ in prompts])
+    return {
+        "tau": res.tau, "tau_convention": TAU_CONVENTION, "prompt_source": prompt_source,
+        "tau_per_prompt": [p.tau for p in res.prompts],
+        "generated_tokens": [len(p.generated) for p in res.prompts],
+        "prompts": [{"sample_id": p.sample_id, "prompt_tokens": p.prompt_tokens, "generated_tokens": len(p.generated),
+                     "cycles": len(p.accepted_per_cycle), "tau": p.tau, "accepted_per_cycle": p.accepted_per_cycle}
+                    for p in res.prompts],
+        "lossless": True,
+    }

@@ -40,8 +40,6 @@ from .attention import AttentionBackend, BlockLayout, WithinBlock, attend, resol
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "DFlashDraftModel"
-QWEN3_VOCAB_SIZE = 151936
-QWEN3_MASK_TOKEN_ID = 151669  # "<|MASK|>", a reserved id of the Qwen3 vocabulary
 _HF_ONLY_KEYS = {"architectures", "auto_map", "dflash_config", "model_type", "dtype", "torch_dtype"}
 
 
@@ -396,23 +394,26 @@ def _check_head(cfg: DFlashConfig, embed_tokens: Tensor, lm_head: Tensor) -> Non
 # ----------------------------------------------------------------------------------------------
 
 
-def resolve_mask_token_id(model_cfg: Any, teacher: Any) -> int:
-    """``model.mask_token_id`` when set; else the teacher vocabulary's reserved mask id:
-    the tiny builtin teacher's (``extract.tiny.TINY_MASK_TOKEN_ID``) or Qwen3's 151669 for a
-    151936-token vocabulary. Anything else must set ``model.mask_token_id``."""
-    if model_cfg.mask_token_id is not None:
-        return int(model_cfg.mask_token_id)
-    name = str(getattr(teacher, "name_or_path", "") or getattr(teacher, "name", ""))
-    if name.startswith("builtin:tiny"):
-        from extract.tiny import TINY_MASK_TOKEN_ID
-
-        return int(TINY_MASK_TOKEN_ID)
-    if int(teacher.vocab_size) == QWEN3_VOCAB_SIZE:
-        return QWEN3_MASK_TOKEN_ID
-    raise ConfigError(
-        f"model.mask_token_id is not set and the teacher {name!r} (vocab {teacher.vocab_size}) has no known "
-        "reserved mask token; set model.mask_token_id to an unused id of its vocabulary"
-    )
+def resolve_mask_token_id(model_cfg: Any, spec: Any) -> int:
+    """The mask token recorded in the cache ``spec`` at extraction; ``model.mask_token_id``, when set,
+    must equal it. Caches written before it was recorded need ``model.mask_token_id``."""
+    cached, wanted = getattr(spec, "mask_token_id", None), model_cfg.mask_token_id
+    if cached is None:
+        if wanted is None:
+            raise ConfigError(
+                "the cache does not record a mask token (it predates mask-token recording) and model.mask_token_id "
+                "is not set; set model.mask_token_id to the reserved id the drafter should use (Qwen3: 151669), "
+                "or re-extract the cache"
+            )
+        return int(wanted)
+    if wanted is not None and int(wanted) != int(cached):
+        source = getattr(spec, "mask_token_source", None) or "extraction"
+        raise SpecMismatchError(
+            f"model.mask_token_id = {wanted}, but the cache was extracted with mask_token_id {cached} (from the "
+            f"{source}); drop model.mask_token_id to use the cache's, or re-extract with {wanted}",
+            fields=["mask_token_id"],
+        )
+    return int(cached)
 
 
 def drafter_config(model_cfg: Any, spec: Any) -> DFlashConfig:
@@ -423,7 +424,7 @@ def drafter_config(model_cfg: Any, spec: Any) -> DFlashConfig:
         num_attention_heads=model_cfg.num_attention_heads, num_key_value_heads=model_cfg.num_key_value_heads,
         head_dim=model_cfg.head_dim, intermediate_size=model_cfg.intermediate_size,
         vocab_size=int(teacher.vocab_size), block_size=model_cfg.block_size,
-        mask_token_id=resolve_mask_token_id(model_cfg, teacher),
+        mask_token_id=resolve_mask_token_id(model_cfg, spec),
         target_layer_ids=[int(i) for i in spec.target_layer_ids], num_target_layers=int(teacher.num_layers),
         rms_norm_eps=model_cfg.rms_norm_eps, rope_theta=model_cfg.rope_theta,
         max_position_embeddings=model_cfg.max_position_embeddings,

@@ -18,7 +18,8 @@ class Section(BaseModel):
 
 
 class TeacherConfig(Section):
-    # A local HF model directory, a hub id, or "builtin:tiny" (built locally on first use).
+    # A local HF model directory, a hub id, or a tiny teacher built locally on first use: "builtin:tiny"
+    # (Qwen3), "builtin:tiny-qwen3_5" (hybrid Gated DeltaNet), "builtin:tiny-qwen3_moe", "builtin:tiny-llama".
     path: str = "builtin:tiny"
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -78,7 +79,9 @@ class ExtractConfig(Section):
 class ModelConfig(Section):
     num_hidden_layers: int = Field(5, gt=0)
     block_size: int = Field(16, ge=2)
-    mask_token_id: int | None = Field(None, ge=0)  # None: the teacher vocab's reserved id (Qwen3: 151669)
+    # The drafter's block-filler id. Extraction records it in the cache (this value when set, else the
+    # teacher tokenizer's mask token); training reads the cache's, and a different value here is an error.
+    mask_token_id: int | None = Field(None, ge=0)
     num_attention_heads: int = Field(32, gt=0)
     num_key_value_heads: int = Field(8, gt=0)
     head_dim: int = Field(128, gt=0)
@@ -156,7 +159,7 @@ class GuardsConfig(Section):
 class EvalConfig(Section):
     every_steps: int | None = Field(None, gt=0)  # held-out teacher-forced acceptance during training (eval/*)
     max_blocks: int | None = Field(None, gt=0)
-    live_prompts: int = Field(4, ge=0)
+    live_prompts: int = Field(4, ge=0)  # live decoding prompts, from the evaluated (held-out) samples of the cache
     live_max_new_tokens: int = Field(64, gt=0)
 
 
