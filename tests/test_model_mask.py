@@ -64,7 +64,8 @@ def test_full_attention_is_bidirectional_within_a_block(model):
 
 
 def test_sliding_window_layers_are_causal_within_a_block():
-    model = tiny_drafter(seed=2, layer_types=["sliding_attention", "sliding_attention"], sliding_window=64)
+    model = tiny_drafter(seed=2, layer_types=["sliding_attention", "sliding_attention"], sliding_window=64,
+                         sliding_within_block="causal")
     batch = tiny_batch(rows=1, length=40)
     ref, blocks = _run(model, batch, [20])
     ids = blocks.block_ids.clone()

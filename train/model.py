@@ -62,6 +62,8 @@ class DFlashConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     attention_bias: bool = False
+    # Attention of sliding-window layers inside the draft block: "bidirectional" or "causal".
+    sliding_within_block: str = "bidirectional"
     # Fields of a loaded config.json this product does not interpret (bos/eos ids ...), kept on export.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +85,8 @@ class DFlashConfig:
             problems.append("target_layer_ids is empty")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if self.sliding_within_block not in ("bidirectional", "causal"):
+            problems.append(f"sliding_within_block must be 'bidirectional' or 'causal', got {self.sliding_within_block!r}")
         if "sliding_attention" in (self.layer_types or []) and not self.sliding_window:
             problems.append("sliding_attention layers need sliding_window > 0")
         if problems:
@@ -125,6 +129,8 @@ class DFlashConfig:
             "use_sliding_window": uses_sliding,
             "vocab_size": self.vocab_size,
         }
+        if uses_sliding:
+            out["dflash_config"]["sliding_within_block"] = self.sliding_within_block
         for key, value in self.extra.items():
             out.setdefault(key, value)
         return out
@@ -156,7 +162,8 @@ class DFlashConfig:
             num_target_layers=int(d.get("num_target_layers", dc.get("num_target_layers", max(layer_ids) + 3))),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e6))),
             max_position_embeddings=d.get("max_position_embeddings", 40960), layer_types=d.get("layer_types"),
-            sliding_window=d.get("sliding_window"), attention_bias=bool(d.get("attention_bias", False)), extra=extra,
+            sliding_window=d.get("sliding_window"), attention_bias=bool(d.get("attention_bias", False)),
+            sliding_within_block=str(dc.get("sliding_within_block", "bidirectional")), extra=extra,
         )
 
     def to_json(self) -> str:
@@ -229,7 +236,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         sliding = cfg.layer_type(layer_idx) == "sliding_attention"
-        self.causal = sliding  # sliding-window layers are causal within the block
+        self.causal = sliding and cfg.sliding_within_block == "causal"
         self.window = cfg.sliding_window if sliding else None
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
