@@ -222,12 +222,13 @@ def test_spec_generate_keeps_accepted_drafts_and_counts_cycles(tmp_path, teacher
     assert got.tau == per_cycle
 
 
-def test_spec_generate_stops_after_the_first_stop_token(tmp_path, teacher):
+@pytest.mark.parametrize("nth", [0, 5])
+def test_spec_generate_stops_after_the_first_stop_token(tmp_path, teacher, nth):
     model, tokenizer = teacher
     draft = _load(_export(_teacher_drafter(model), tmp_path / "e"))
     ids = _prompts(tokenizer, 1)[0]
     full = _greedy(model, ids, 20, eos=model.config.vocab_size)[0]
-    stop = int(full[ids.shape[1] + 5])  # the sixth generated token
+    stop = int(full[ids.shape[1] + nth])  # the (nth+1)-th generated token (0: the prefill's)
     first = ids.shape[1] + int((full[ids.shape[1]:] == stop).nonzero()[0, 0])
     got = draft.spec_generate(model, ids, 20, [stop], 0.0)
     assert torch.equal(got[0], full[:first + 1])

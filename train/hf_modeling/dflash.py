@@ -311,30 +311,30 @@ class DFlashDraftModel(PreTrainedModel):
         draft_cache = DynamicCache()
         result = DFlashGeneration(output_ids, P)
         start = P  # position of the last accepted token, the block's first row
-        while start + 1 < max_length:  # the token at ``start`` is known already
+        stopped = bool(torch.isin(output_ids[0, P:P + 1], stops).any())
+        while start + 1 < max_length and not stopped:  # the token at ``start`` is known already
             block = output_ids[:, start:start + B].clone()  # [1, B]: [last token, MASK, ...]
             cached = draft_cache.get_seq_length()
-            hidden = self(position_ids=positions[:, cached:start + B], noise_embedding=embed(block),
+            hidden = self(position_ids=positions[:, cached:start + B], noise_embedding=embed(block).to(self.device),
                           target_hidden=ctx.to(self.device), past_key_values=draft_cache)  # [1, B, H]
             _crop(draft_cache, start)  # keep the context only
-            block[:, 1:] = sample(head(hidden[:, 1:].to(head.weight.dtype)).to(device))  # drafts: argmax
+            drafts = head(hidden[:, 1:].to(head.weight.device, head.weight.dtype))  # [1, B-1, V]
+            block[:, 1:] = sample(drafts).to(device)  # drafts are always the argmax
             out = target(input_ids=block, position_ids=positions[:, start:start + B], past_key_values=target_cache,
                          use_cache=True, output_hidden_states=True)
             posterior = sample(out.logits, temperature)  # [1, B]: the target's token after each row
             accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum())
             output_ids[:, start:start + accepted + 1] = block[:, :accepted + 1]
             output_ids[:, start + accepted + 1] = posterior[:, accepted]
+            stopped = bool(torch.isin(output_ids[0, start + 1:start + accepted + 2], stops).any())
             start += accepted + 1
             _crop(target_cache, start)
             result.acceptance_lengths.append(accepted + 1)
             result.last_cycle_cut = start + 1 > max_length  # some of this cycle's tokens exceed the budget
             ctx = extract_context_feature(out.hidden_states, self.target_layer_ids)[:, :accepted + 1]
-            if stops.numel() and torch.isin(output_ids[0, P:start + 1], stops).any():
-                break
         ids = output_ids[:, :min(start + 1, max_length)]
-        if stops.numel():
-            hits = torch.isin(ids[0, P:], stops).nonzero()
-            if hits.numel():
-                ids = ids[:, :P + int(hits[0, 0]) + 1]
+        hits = torch.isin(ids[0, P:], stops).nonzero()
+        if hits.numel():
+            ids = ids[:, :P + int(hits[0, 0]) + 1]
         result.output_ids = ids
         return result if return_stats else ids
