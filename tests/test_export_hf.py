@@ -80,7 +80,8 @@ def _train_block_logits(model: DFlashDrafter, batch, anchors: list[int]) -> torc
     dict(SLIDING, sliding_within_block="causal"),
     dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=8, sliding_within_block="causal",
          block_size=6),
-], ids=["full", "sliding-bidirectional", "sliding-causal", "all-sliding-causal"])
+    dict(num_hidden_layers=5, layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=12),
+], ids=["full", "sliding-bidirectional", "sliding-causal", "all-sliding-causal", "27b-preset-layer-types"])
 def test_block_logits_equal_the_training_model(tmp_path, overrides):
     model = tiny_drafter(seed=5, **overrides)
     draft = _load(_export(model, tmp_path / "e"))
