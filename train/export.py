@@ -3,7 +3,14 @@
 The output is what SGLang / vLLM load as a DFlash draft model: ``config.json`` (architecture
 ``DFlashDraftModel``, ``dflash_config`` {``target_layer_ids``, ``mask_token_id``}, ``block_size`` and
 the Qwen3 fields) and ``model.safetensors`` with the released drafters' weight names (no embedding,
-no lm_head: the engine uses the target's). A run directory means its latest committed checkpoint.
+no lm_head: the engine uses the target's), plus ``dflash.py``, the transformers modeling file that
+``config.json``'s ``auto_map`` names, so ``AutoModel.from_pretrained(out, trust_remote_code=True)``
+loads it (docs/serving.md). A run directory means its latest committed checkpoint.
+
+Sliding-window layers: the engines infer the within-block rule from the layer type unless told
+(sliding = causal in both SGLang and vLLM by default), so a drafter whose sliding layers are
+bidirectional within the block also gets ``is_causal: false`` and ``dflash_config.causal: false``,
+the explicit switches they read.
 
 The drafter config needs the target's vocabulary size and layer ids, which live in the cache spec:
 they are read from the checkpoint's weights metadata when present, else from ``--cache``.
@@ -42,6 +49,25 @@ from .model import (
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MODELING_FILE = "dflash.py"  # the name config.json's auto_map ("dflash.DFlashDraftModel") points to
+
+
+def modeling_source() -> Path:
+    """The shipped modeling file (package data: depends on torch + transformers only)."""
+    return Path(__file__).parent / "hf_modeling" / MODELING_FILE
+
+
+def serving_config(cfg: DFlashConfig, dtype: str) -> dict[str, Any]:
+    """``config.json``: the drafter config plus the switches serving engines read for causality."""
+    hf = cfg.to_hf_dict()
+    hf["dtype"] = dtype
+    hf.pop("is_causal", None)
+    hf["dflash_config"].pop("causal", None)
+    sliding = "sliding_attention" in hf["layer_types"]
+    if sliding and cfg.sliding_within_block == "bidirectional":
+        hf["is_causal"] = False  # SGLang and vLLM: every layer non-causal within the block
+        hf["dflash_config"]["causal"] = False  # vLLM versions that predate is_causal
+    return hf
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -166,9 +192,9 @@ def export_drafter(state: dict[str, Tensor], cfg: DFlashConfig, out: str | Path,
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    hf = cfg.to_hf_dict()
-    hf["dtype"] = dtype
+    hf = serving_config(cfg, dtype)
     (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(modeling_source(), tmp / MODELING_FILE)
     with torch.device("meta"):
         head = torch.empty(cfg.vocab_size, cfg.hidden_size)
         holder = DFlashDrafter(cfg, head, head)

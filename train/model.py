@@ -337,9 +337,9 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
-    def embed(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        """ids [...] -> [..., H] in ``dtype``."""
-        return F.embedding(ids, self.embed_tokens).to(dtype)
+    def embed(self, ids: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """ids [...] -> [..., H] in ``dtype`` (default: the parameters' dtype)."""
+        return F.embedding(ids, self.embed_tokens).to(dtype or self.fc.weight.dtype)
 
     def fuse_context(self, features: Tensor) -> Tensor:
         """features [R, T, n*H] (bf16 from the cache) -> fused context [R, T, H]."""
