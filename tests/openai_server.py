@@ -81,8 +81,9 @@ class OpenAIServer:
     """``with OpenAIServer(backend, "served-name") as server: server.url``"""
 
     def __init__(self, backend: Any, served_name: str, faults: dict[str, list[str]] | None = None,
-                 timeout_sleep_s: float = 2.0, reasoning_field: bool = False):
+                 timeout_sleep_s: float = 2.0, reasoning_field: bool = False, delay_s: float = 0.0):
         self.backend, self.served_name = backend, served_name
+        self.delay_s = delay_s  # added to every completion (a kill then lands mid-run)
         self.faults = {k: list(v) for k, v in (faults or {}).items()}
         self.timeout_sleep_s = timeout_sleep_s
         self.reasoning_field = reasoning_field  # split <think> into message.reasoning_content (a reasoning parser)
@@ -123,6 +124,7 @@ class OpenAIServer:
         return key, fault
 
     def completion(self, body: dict[str, Any], fault: str | None) -> dict[str, Any]:
+        time.sleep(self.delay_s)
         text, n, finish = self.backend.complete(body)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.reasoning_field and "</think>" in text:
@@ -141,6 +143,8 @@ class OpenAIServer:
 def _handler(server: OpenAIServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the engines serve
+        # headers and body go out in two writes: with Nagle on, the body waits ~40 ms for a delayed ACK
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
