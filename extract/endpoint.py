@@ -301,7 +301,8 @@ class EndpointReport:
             out_lines.append(f"stopped early: {self.stopped}")
         if self.failures:
             out_lines.append("failed (rerun the same command to ask them again):")
-            out_lines += ["  " + f.line() for f in self.failures[:_SHOW_FAILURES]]
+            failures = sorted(self.failures, key=lambda f: f.sample_id)
+            out_lines += ["  " + f.line() for f in failures[:_SHOW_FAILURES]]
             if len(self.failures) > _SHOW_FAILURES:
                 out_lines.append(f"  ... and {len(self.failures) - _SHOW_FAILURES} more in {failures_path(out)}")
         return out_lines

@@ -87,7 +87,7 @@ class OpenAIServer:
         self.faults = {k: list(v) for k, v in (faults or {}).items()}
         self.timeout_sleep_s = timeout_sleep_s
         self.reasoning_field = reasoning_field  # split <think> into message.reasoning_content (a reasoning parser)
-        self.requests: list[dict[str, Any]] = []  # {"key", "fault", "body"} per chat request
+        self.requests: list[dict[str, Any]] = []  # {"key", "fault", "body", "auth"} per chat request
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
@@ -111,7 +111,7 @@ class OpenAIServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def take_fault(self, body: dict[str, Any]) -> tuple[str, str | None]:
+    def take_fault(self, body: dict[str, Any], auth: str | None = None) -> tuple[str, str | None]:
         users = [m.get("content", "") for m in body.get("messages", []) if m.get("role") == "user"]
         key = users[-1] if users else ""
         with self._lock:
@@ -120,7 +120,7 @@ class OpenAIServer:
                 if k in key and todo:
                     fault = todo.pop(0)
                     break
-            self.requests.append({"key": key, "fault": fault, "body": body})
+            self.requests.append({"key": key, "fault": fault, "body": body, "auth": auth})
         return key, fault
 
     def completion(self, body: dict[str, Any], fault: str | None) -> dict[str, Any]:
@@ -178,7 +178,7 @@ def _handler(server: OpenAIServer) -> type[BaseHTTPRequestHandler]:
             if body.get("model") != server.served_name:
                 self._json(404, {"error": {"message": f"the model {body.get('model')} does not exist"}})
                 return
-            _, fault = server.take_fault(body)
+            _, fault = server.take_fault(body, self.headers.get("Authorization"))
             if fault in ("500", "503"):
                 self._json(int(fault), {"error": {"message": "injected server error"}})
             elif fault == "429":

@@ -196,13 +196,27 @@ def test_served_model_is_checked_against_the_teacher(tiny_teacher_dir, tmp_path,
     assert f"cannot list the models of {url}" in capsys.readouterr().err
 
 
+def test_a_failing_server_stops_the_run_after_consecutive_failures(tiny_teacher_dir, tmp_path, capsys):
+    with OpenAIServer(InstantBackend(), str(tiny_teacher_dir), faults={"": ["503"] * 100}) as server:
+        extra = ["--set", "regenerate.max_retries=1", "--set", "regenerate.max_consecutive_failures=3",
+                 "--set", "regenerate.max_concurrency=1"]
+        assert _regen(server.url, tiny_teacher_dir, tmp_path / "r.jsonl", *extra) == 3
+    assert len(server.requests) == 6  # 3 conversations, each asked twice (one retry), then the run stops
+    text = capsys.readouterr().out
+    assert "retries: 5xx x3; failed conversations: 3" in text and "16 of 16 missing" in text
+    assert "stopped early: 3 conversations in a row failed (last: HTTP 503: injected server error)" in text
+
+
 @pytest.mark.parametrize("reasoning_field", [False, True], ids=["think-inline", "reasoning-parser"])
-def test_sampling_fields_and_reasoning_replies(tiny_teacher_dir, tmp_path, reasoning_field):
+def test_sampling_fields_and_reasoning_replies(tiny_teacher_dir, tmp_path, reasoning_field, monkeypatch):
     reply = "<think>\nfirst a plan\n</think>\n\nThe answer."
+    monkeypatch.setenv("TEST_SERVER_KEY", "sk-test")
     with OpenAIServer(InstantBackend(reply), str(tiny_teacher_dir), reasoning_field=reasoning_field) as server:
         extra = ["--set", "regenerate.temperature=0.7", "--set", "regenerate.seed=5",
-                 "--set", "regenerate.extra_body={top_k = 20}", "--set", "data.enable_thinking=true"]
+                 "--set", "regenerate.extra_body={top_k = 20}", "--set", "data.enable_thinking=true",
+                 "--set", "regenerate.api_key_env=TEST_SERVER_KEY"]
         assert _regen(server.url, tiny_teacher_dir, tmp_path / "r.jsonl", *extra, n=8) == 0
+    assert {r["auth"] for r in server.requests} == {"Bearer sk-test"}
     got = _records(tmp_path / "r.jsonl")
     for r in got.values():
         for m in r["messages"][len(r["messages"]) - 1:]:
