@@ -35,42 +35,18 @@ class OutputLockedError(DFlashError):
     """Another process holds the output log."""
 
 
-class AnswerLog:
-    """``open()`` takes the lock and returns the ids already answered; ``append`` adds one record."""
+class OutputLock:
+    """An exclusive ``flock`` on ``OUT.lock`` naming its holder; both regenerate paths hold it while they
+    write OUT (the file stays after a run: only the lock matters)."""
 
-    def __init__(self, path: str | Path, prompts_fingerprint: str, fsync_every_s: float):
-        self.path = Path(path)
-        self.lock_path = self.path.with_name(self.path.name + ".lock")
-        self.fingerprint = prompts_fingerprint
-        self.fsync_every_s = fsync_every_s
-        self._lock_fd: int | None = None
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        self.path = self.out.with_name(self.out.name + ".lock")
         self._fd: int | None = None
-        self._mutex = threading.Lock()
-        self._last_sync = 0.0
-        self.n_written = 0
 
-    # -- open / resume ----------------------------------------------------------------------------------
-
-    def open(self) -> set[int]:
-        if "://" in str(self.path):
-            raise DataError(f"--out {self.path}: the endpoint output is a local (or NFS) file, not a URL; "
-                            "copy it to object storage afterwards")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._take_lock()
-        try:
-            done = self._scan()
-            created = not self.path.exists()
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            if created:  # the new directory entry must survive a crash too
-                _fsync_dir(self.path.parent)
-        except BaseException:
-            self._release_lock()
-            raise
-        self._last_sync = time.monotonic()
-        return done
-
-    def _take_lock(self) -> None:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    def acquire(self) -> OutputLock:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,13 +58,58 @@ class AnswerLog:
             except (ValueError, KeyError, TypeError):
                 pass
             raise OutputLockedError(
-                f"{self.path} is being written by another dflash-extract regenerate ({holder}); two writers "
+                f"{self.out} is being written by another dflash-extract regenerate ({holder}); two writers "
                 "would ask the same prompts twice. Wait for it to finish, stop it, or choose another --out"
             ) from None
         os.ftruncate(fd, 0)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.pwrite(fd, json.dumps(info).encode(), 0)
-        self._lock_fd = fd
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class AnswerLog:
+    """``open()`` takes the lock and returns the ids already answered; ``append`` adds one record."""
+
+    def __init__(self, path: str | Path, prompts_fingerprint: str, fsync_every_s: float):
+        self.path = Path(path)
+        self.lock = OutputLock(self.path)
+        self.fingerprint = prompts_fingerprint
+        self.fsync_every_s = fsync_every_s
+        self._fd: int | None = None
+        self._mutex = threading.Lock()
+        self._last_sync = 0.0
+        self.n_written = 0
+
+    # -- open / resume ----------------------------------------------------------------------------------
+
+    def open(self) -> set[int]:
+        if "://" in str(self.path):
+            raise DataError(f"--out {self.path}: the endpoint output is a local (or NFS) file, not a URL; "
+                            "copy it to object storage afterwards")
+        self.lock.acquire()
+        try:
+            done = self._scan()
+            created = not self.path.exists()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if created:  # the new directory entry must survive a crash too
+                _fsync_dir(self.path.parent)
+        except BaseException:
+            self.lock.release()
+            raise
+        self._last_sync = time.monotonic()
+        return done
 
     def _scan(self) -> set[int]:
         """Ids already answered; a torn last line (interrupted write) is cut off."""
@@ -158,12 +179,7 @@ class AnswerLog:
                 finally:
                     os.close(self._fd)
                     self._fd = None
-        self._release_lock()
-
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor drops the flock
-            self._lock_fd = None
+        self.lock.release()
 
     def __enter__(self) -> AnswerLog:
         return self

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from dflash_cache.errors import DataError
 from dflash_cache.schema import PipelineConfig, RegenerateConfig
 
+from .answer_log import OutputLock
 from .data import LoadedData, Record, load_records
 from .run import load_run_config, template_options
 from .teacher import load_teacher, teacher_device
@@ -190,11 +191,12 @@ def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
 def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> int:
     """Regenerate ``cfg.data`` in this process into ``out_path``; returns the number of conversations written."""
     data, cursors = load_prompts(cfg)
-    model, tokenizer = load_teacher(cfg.teacher)
-    check_chat_template(tokenizer)
-    regen = Regenerator(model, tokenizer, cfg.regenerate, template_options(cfg))
-    regenerate_conversations(regen, cursors, show)
-    write_jsonl(out_path, [output_record(c, data.fingerprint) for c in cursors])
+    with OutputLock(out_path):
+        model, tokenizer = load_teacher(cfg.teacher)
+        check_chat_template(tokenizer)
+        regen = Regenerator(model, tokenizer, cfg.regenerate, template_options(cfg))
+        regenerate_conversations(regen, cursors, show)
+        write_jsonl(out_path, [output_record(c, data.fingerprint) for c in cursors])
     log.info("wrote %d regenerated conversations to %s", len(cursors), out_path)
     return len(cursors)
 

@@ -227,3 +227,13 @@ def test_sampling_fields_and_reasoning_replies(tiny_teacher_dir, tmp_path, reaso
     for r in server.requests:
         b = r["body"]
         assert b["temperature"] == 0.7 and b["top_k"] == 20 and b["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def test_the_in_process_path_takes_the_same_lock(tiny_teacher_dir, tmp_path, capsys):
+    from extract.answer_log import OutputLock
+
+    out = tmp_path / "x.jsonl"
+    with OutputLock(out):
+        assert _main(["regenerate", *_args(tiny_teacher_dir, n=2), "--out", str(out)]) == 2
+    assert f"is being written by another dflash-extract regenerate (pid {os.getpid()} on " in capsys.readouterr().err
+    assert not out.exists()
