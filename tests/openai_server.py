@@ -85,6 +85,8 @@ class OpenAIServer:
         self.backend, self.served_name = backend, served_name
         self.delay_s = delay_s  # added to every completion (a kill then lands mid-run)
         self.faults = {k: list(v) for k, v in (faults or {}).items()}
+        unknown = {f for v in self.faults.values() for f in v} - set(FAULTS)
+        assert not unknown, f"unknown faults {unknown}; expected some of {FAULTS}"
         self.timeout_sleep_s = timeout_sleep_s
         self.reasoning_field = reasoning_field  # split <think> into message.reasoning_content (a reasoning parser)
         self.requests: list[dict[str, Any]] = []  # {"key", "fault", "body", "auth"} per chat request
