@@ -242,7 +242,8 @@ def parse_reply(data: bytes) -> Reply:
     if not content.strip() and not (reasoning or "").strip():
         raise RequestFailed(f"the reply is empty (finish_reason={finish!r})")
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
-    return Reply(reply_message(content, reasoning), int(usage.get("completion_tokens") or 0), finish == "length")
+    tokens = usage.get("completion_tokens")  # only for the progress figures: a server without usage counts 0
+    return Reply(reply_message(content, reasoning), tokens if isinstance(tokens, int) else 0, finish == "length")
 
 
 # -- the run -----------------------------------------------------------------------------------------------
