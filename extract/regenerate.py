@@ -1,8 +1,15 @@
-"""``dflash-extract regenerate CONFIG --data IN --out OUT.jsonl``: replace every assistant turn with the
-teacher's own generation (HF ``generate``, batched, left padding; greedy or sampled per ``[regenerate]``).
+"""``dflash-extract regenerate CONFIG --data IN --out OUT.jsonl [--endpoint URL]``: replace every assistant
+turn with the teacher's own generation.
+
+Two back ends share the turn order and the record format. Without ``--endpoint`` the teacher runs in this
+process (HF ``generate``, batched, left padding; greedy or sampled per ``[regenerate]``) and OUT is written
+atomically in input order. With ``--endpoint`` the prompts go to an OpenAI-compatible server
+(``extract.endpoint``) and OUT is an append-only log, resumable, in completion order.
 
 Turns are generated in order, each conditioned on the regenerated history; a conversation that ends
-with a user turn gets a new final reply. The output is JSONL ``{"messages": [...]}`` in input order.
+with a user turn gets a new final reply; turns after the last reply are dropped. Every output line is
+``{"id": <input sample id>, "messages": [...], "prompts_fingerprint": <input data fingerprint>}``, which
+``dflash-extract CONFIG --data OUT`` reads like any conversation file.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from tqdm import tqdm
 from dflash_cache.errors import DataError
 from dflash_cache.runtime.schema import PipelineConfig, RegenerateConfig
 
-from .data import load_records
+from .answer_log import OutputLock
+from .data import LoadedData, Record, load_records
 from .run import load_run_config, template_options
 from .teacher import load_teacher, teacher_device
 from .template import TemplateOptions, check_chat_template
@@ -37,7 +45,26 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return reasoning.replace("<think>", "").strip("\n") or None, answer.strip()
 
 
-def _prompt_turns(messages: list[dict]) -> list[int]:
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the first occurrence of any stop string (excluded), as the serving engines return it."""
+    cut = min((i for s in stop if s and (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
+
+
+def reply_message(text: str, reasoning: str | None = None) -> dict[str, str]:
+    """The assistant message for a generated reply; ``reasoning`` given apart (a server's reasoning parser)
+    or inside ``text`` as a ``<think>`` block."""
+    if reasoning is None:
+        reasoning, answer = split_reasoning(text)
+    else:
+        reasoning, answer = reasoning.strip("\n") or None, text.strip()
+    msg = {"role": "assistant", "content": answer}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    return msg
+
+
+def prompt_turns(messages: list[dict]) -> list[int]:
     """Indices where a reply is generated: each assistant turn, plus the end when the last turn is a user's."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if messages and messages[-1]["role"] in ("user", "tool"):
@@ -45,7 +72,50 @@ def _prompt_turns(messages: list[dict]) -> list[int]:
     return turns
 
 
+class TurnCursor:
+    """One conversation's replies in order: ``history()`` is what the next reply answers (input turns up to
+    it, earlier replies regenerated), ``add_reply`` moves on. ``messages`` is the result so far."""
+
+    def __init__(self, record: Record):
+        assert record.messages is not None
+        self.record, self.turns = record, prompt_turns(record.messages)
+        if not self.turns:
+            raise DataError(f"{record.source}: the conversation has neither an assistant turn nor a final user "
+                            "turn to answer")
+        self.messages: list[dict] = []
+        self.k = 0  # replies done
+        self._pos = 0  # next input message to copy
+
+    @property
+    def done(self) -> bool:
+        return self.k == len(self.turns)
+
+    def history(self) -> list[dict]:
+        return self.messages + self.record.messages[self._pos:self.turns[self.k]]  # type: ignore[index]
+
+    def add_reply(self, msg: dict) -> None:
+        self.messages = [*self.history(), msg]
+        self._pos = self.turns[self.k] + 1
+        self.k += 1
+
+
+def output_record(cursor: TurnCursor, prompts_fingerprint: str) -> dict[str, Any]:
+    """One output line: the input sample id, the regenerated conversation, the input data it came from."""
+    return {"id": cursor.record.sample_id, "messages": cursor.messages, "prompts_fingerprint": prompts_fingerprint}
+
+
+def load_prompts(cfg: PipelineConfig) -> tuple[LoadedData, list[TurnCursor]]:
+    """The input conversations (pre-tokenized records are an error), one cursor each."""
+    data = load_records(cfg.data.path, cfg.data.skip_bad)
+    for r in data.records:
+        if r.messages is None:
+            raise DataError(f"{r.source}: pre-tokenized records cannot be regenerated; give conversations")
+    return data, [TurnCursor(r) for r in data.records]
+
+
 class Regenerator:
+    """The in-process back end: the teacher's HF ``generate`` on batches of prompts."""
+
     def __init__(self, model: Any, tokenizer: Any, cfg: RegenerateConfig, options: TemplateOptions):
         self.model, self.tokenizer, self.cfg, self.options = model, tokenizer, cfg, options
         self.device = teacher_device(model)
@@ -70,6 +140,8 @@ class Regenerator:
         sample = self.cfg.temperature > 0
         gen_kwargs: dict[str, Any] = dict(max_new_tokens=self.cfg.max_new_tokens, do_sample=sample,
                                           eos_token_id=self.eos, pad_token_id=self.pad_id)
+        if self.cfg.stop:  # stops early; decode() cuts the text (HF keeps the stop string, servers do not)
+            gen_kwargs.update(stop_strings=list(self.cfg.stop), tokenizer=self.tokenizer)
         if sample:
             gen_kwargs.update(temperature=self.cfg.temperature, top_p=self.cfg.top_p)
             torch.manual_seed(self.cfg.seed * 1_000_003 + batch_index)
@@ -83,71 +155,50 @@ class Regenerator:
             if tok in self.eos:
                 new_ids = new_ids[:j]
                 break
-        return self.tokenizer.decode(new_ids, skip_special_tokens=False).replace(
-            self.tokenizer.pad_token or "\0", "")
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=False).replace(self.tokenizer.pad_token or "\0", "")
+        return cut_at_stop(text, self.cfg.stop)
 
 
-def regenerate_conversations(regen: Regenerator, conversations: list[list[dict]], show: bool = True) -> list[list[dict]]:
+def regenerate_conversations(regen: Regenerator, cursors: list[TurnCursor], show: bool = True) -> None:
     """Regenerate round by round (k-th reply of every conversation), batching prompts of similar length."""
-    turns = [_prompt_turns(c) for c in conversations]
-    if any(not t for t in turns):
-        bad = next(i for i, t in enumerate(turns) if not t)
-        raise DataError(f"conversation {bad} has neither an assistant turn nor a final user turn to answer")
-    out: list[list[dict]] = [[] for _ in conversations]
-    pos = [0] * len(conversations)  # next input message to copy
-    bar = tqdm(total=sum(len(t) for t in turns), unit="reply", desc="regenerate", disable=not show)
+    bar = tqdm(total=sum(len(c.turns) for c in cursors), unit="reply", desc="regenerate", disable=not show)
     batch_index = 0
-    for k in range(max(len(t) for t in turns)):
-        active = [i for i, t in enumerate(turns) if k < len(t)]
-        for i in active:
-            out[i] += conversations[i][pos[i]:turns[i][k]]
-            pos[i] = turns[i][k] + 1
-        prompts = {i: regen.prompt_ids(out[i]) for i in active}
-        order = sorted(active, key=lambda i: (len(prompts[i]), i))
+    while active := [c for c in cursors if not c.done]:
+        prompts = {id(c): regen.prompt_ids(c.history()) for c in active}
+        order = sorted(active, key=lambda c: (len(prompts[id(c)]), c.record.sample_id))
         for start in range(0, len(order), regen.cfg.batch_size):
             chunk = order[start:start + regen.cfg.batch_size]
-            for i, text in zip(chunk, regen.generate([prompts[i] for i in chunk], batch_index), strict=True):
-                reasoning, answer = split_reasoning(text)
-                msg = {"role": "assistant", "content": answer}
-                if reasoning:
-                    msg["reasoning_content"] = reasoning
-                out[i].append(msg)
+            for c, text in zip(chunk, regen.generate([prompts[id(c)] for c in chunk], batch_index), strict=True):
+                c.add_reply(reply_message(text))
             batch_index += 1
             bar.update(len(chunk))
     bar.close()
-    for i, c in enumerate(conversations):  # trailing non-assistant turns after the last reply are dropped
-        del c[pos[i]:]
-    return out
 
 
-def write_jsonl(path: str | Path, conversations: list[list[dict]]) -> None:
+def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
     """Write atomically: a complete file or none."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
-        for c in conversations:
-            f.write(json.dumps({"messages": c}, ensure_ascii=False) + "\n")
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> int:
-    """Regenerate ``cfg.data`` into ``out_path``; returns the number of conversations written."""
-    data = load_records(cfg.data.path, cfg.data.skip_bad)
-    convs = []
-    for r in data.records:
-        if r.messages is None:
-            raise DataError(f"{r.source}: pre-tokenized records cannot be regenerated; give conversations")
-        convs.append(list(r.messages))
-    model, tokenizer = load_teacher(cfg.teacher)
-    check_chat_template(tokenizer)
-    regen = Regenerator(model, tokenizer, cfg.regenerate, template_options(cfg))
-    result = regenerate_conversations(regen, convs, show)
-    write_jsonl(out_path, result)
-    log.info("wrote %d regenerated conversations to %s", len(result), out_path)
-    return len(result)
+    """Regenerate ``cfg.data`` in this process into ``out_path``; returns the number of conversations written."""
+    data, cursors = load_prompts(cfg)
+    with OutputLock(out_path):
+        model, tokenizer = load_teacher(cfg.teacher)
+        check_chat_template(tokenizer)
+        regen = Regenerator(model, tokenizer, cfg.regenerate, template_options(cfg))
+        regenerate_conversations(regen, cursors, show)
+        write_jsonl(out_path, [output_record(c, data.fingerprint) for c in cursors])
+    log.info("wrote %d regenerated conversations to %s", len(cursors), out_path)
+    return len(cursors)
 
 
 def cli_main(argv: Sequence[str]) -> int:
@@ -155,11 +206,25 @@ def cli_main(argv: Sequence[str]) -> int:
     p.add_argument("config")
     p.add_argument("--data", help="input conversations (overrides data.path)")
     p.add_argument("--out", required=True, help="output JSONL")
+    p.add_argument("--endpoint", metavar="URL",
+                   help="OpenAI-compatible server to ask (sets regenerate.endpoint); default: HF generate in-process")
+    p.add_argument("--served-model", metavar="NAME",
+                   help="served model to request, vouching that it is the teacher (sets regenerate.served_model)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--skip-bad", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(list(argv))
     cfg = load_run_config(args.config, args.set, args.data, args.skip_bad)
+    if args.endpoint:
+        cfg.regenerate.endpoint = args.endpoint
+    if args.served_model:
+        cfg.regenerate.served_model = args.served_model
+    if cfg.regenerate.endpoint:
+        from .endpoint import regenerate_via_endpoint
+
+        report = regenerate_via_endpoint(cfg, args.out, show=not args.no_progress)
+        print("\n".join(report.lines(args.out)))
+        return 0 if report.complete else report.exit_code
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,25 @@ class LauncherEnv:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+
+
+def check_launcher_env(env: Mapping[str, str] | None = None) -> None:
+    """Refuse a launch that asked for several processes but gives this one no rank.
+
+    ``accelerate launch --cpu --num_processes N`` (N > 1) sets MASTER_ADDR/PORT but neither RANK nor
+    WORLD_SIZE: it starts one process, or leaves the ranks to mpirun's variables (``--mpirun_hostfile``),
+    which the commands do not read; each process would run the whole job as if alone.
+    """
+    env = os.environ if env is None else env
+    if env.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1") and "MASTER_ADDR" in env \
+            and "WORLD_SIZE" not in env:
+        raise ConfigError(
+            "launched by `accelerate launch --cpu` with several processes, but this process has no RANK/WORLD_SIZE "
+            "(accelerate starts one process on CPU, or leaves the ranks to mpirun): it would run the whole job "
+            "alone. For N CPU processes use `accelerate launch --multi_gpu --num_processes N ...` (torchrun's "
+            "launcher; runs on CPU with gloo) or `torchrun --nproc-per-node N ...`; for one process drop "
+            "--num_processes. See docs/launchers.md"
+        )
 
 
 def launcher_env() -> LauncherEnv:

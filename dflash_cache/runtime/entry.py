@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import DFlashError
+from .dist import check_launcher_env
 from .log import setup_logging
 
 log = logging.getLogger("dflash")
@@ -17,6 +18,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
     """Run ``main(argv)``; a :class:`DFlashError` becomes its message on stderr and its exit code."""
     setup_logging()
     try:
+        check_launcher_env()
         rc = main(argv)
     except DFlashError as err:
         print(f"error: {err}", file=sys.stderr)

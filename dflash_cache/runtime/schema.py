@@ -8,7 +8,7 @@ model/train/loader/checkpoint/guards/eval/metrics -> train.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +45,27 @@ class RegenerateConfig(Section):
     temperature: float = Field(0.0, ge=0)  # 0 = greedy
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = 0
+    # A reply ends before the first of these strings (not included), in both the in-process and endpoint paths.
+    stop: list[str] = Field(default_factory=list)
+    # Base URL of an OpenAI-compatible server (vllm serve, SGLang), e.g. "http://host:8000" (a trailing /v1 is
+    # accepted); None: generate in this process with HF generate. The CLI's --endpoint sets it.
+    endpoint: str | None = None
+    # The served model to request. None: the one of the server's /v1/models whose name is teacher.path (or
+    # ends with the same last path component); an error if none is. Set it to vouch that a model served under
+    # another name is the teacher (CLI: --served-model).
+    served_model: str | None = None
+    max_concurrency: int = Field(64, gt=0)  # endpoint requests in flight (one per conversation)
+    request_timeout_s: float = Field(600.0, gt=0)  # seconds without a byte from the server before a retry
+    max_retries: int = Field(6, ge=0)  # retries of a request after 429/5xx/timeouts/lost connections
+    retry_backoff_s: float = Field(1.0, gt=0)  # first wait before a retry; doubles each time (capped at 60 s)
+    # stop the run when this many conversations in a row failed (server down or misconfigured)
+    max_consecutive_failures: int = Field(50, gt=0)
+    # fsync the output at most this often (and at the end); a killed process never loses written answers,
+    # a machine crash loses at most this many seconds of them
+    fsync_every_s: float = Field(5.0, ge=0)
+    api_key_env: str | None = None  # environment variable holding the server's API key (sent as Bearer)
+    # extra fields merged into every request body (engine-specific sampling, e.g. {top_k = 20, min_p = 0})
+    extra_body: dict[str, Any] = Field(default_factory=dict)
 
 
 class CacheConfig(Section):
