@@ -16,6 +16,7 @@ from dflash_cache.runtime.schema import CheckpointConfig
 
 from .checkpoint import Checkpointer, LoadedCheckpoint
 from .guards import SpikeGuard
+from .optim import check_resumable
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, op
             f"{d.world_size}; each rank resumes its own slice of the plan, so resume with "
             f"--nproc-per-node {saved_world} (or start a new --run-dir)"
         )
+    check_resumable(optimizer, latest.state["optimizer"], str(latest.path))
     model.load_state_dict(latest.model)
     optimizer.load_state_dict(latest.state["optimizer"])
     scheduler.load_state_dict(latest.state["scheduler"])
