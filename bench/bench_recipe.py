@@ -94,12 +94,13 @@ def main() -> None:
     ap.add_argument("--combos", nargs="*", default=None,
                     help=f"subset of WEIGHTING+OPTIMIZER to run (default: all of {WEIGHTINGS} x {OPTIMIZERS})")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config overrides for every run")
-    ap.add_argument("--workdir", default="/tmp/bench_recipe", help="the cache (if built here) and the run dirs")
+    ap.add_argument("--cache", help="the cache to train on (default: the demo's, see above)")
+    ap.add_argument("--workdir", default="/tmp/bench_recipe", help="the run dirs, and the cache if built here")
     ap.add_argument("--out", default=str(RESULTS / "bench_recipe.json"))
     args = ap.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    cache_url = demo_cache(workdir, args.config)
+    cache_url = args.cache or demo_cache(workdir, args.config)
     combos = args.combos or [f"{w}+{o}" for w in WEIGHTINGS for o in OPTIMIZERS]
     load_before = os.getloadavg()
     t_start = time.perf_counter()

@@ -133,7 +133,7 @@ def test_muon_and_dpace_resume_bitwise_after_sigkill(cache, tmp_path):
     _run(cache, run, *recipe)
     assert _losses(run) == ref  # bitwise: Muon momentum, AdamW moments and schedule all restored
     # the checkpoint's optimizer state is Muon's + AdamW's: continuing under plain AdamW is refused
-    proc = _run(cache, run, *recipe[2:-2], "train.max_steps=14", expect=2)
+    proc = _run(cache, run, "train.optimizer=adamw", *recipe[2:-2], "train.max_steps=14", expect=2)
     assert "muon+adamw" in proc.stderr and "train.optimizer" in proc.stderr
 
 
