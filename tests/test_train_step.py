@@ -13,9 +13,10 @@ from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
 from train.build import LossModule, build_optimizer, build_scheduler, lr_lambda
+from train.estimate import DrafterShape, optimizer_state_bytes
 from train.guards import SpikeGuard
 from train.model import DFlashConfig, DFlashDrafter
-from train.optim import CombinedOptimizer, optimizer_state_bytes
+from train.optim import CombinedOptimizer
 from train.step import FaultPlan, train_step
 
 H, V, NL = 32, 64, 2
@@ -133,11 +134,18 @@ def test_muon_takes_the_weight_matrices_and_the_schedule_drives_both_parts():
         assert opt.parts["muon"].param_groups[0]["lr"] == pytest.approx(2e-3 * scale)
         assert opt.parts["adamw"].param_groups[0]["lr"] == pytest.approx(5e-4 * scale)
         assert res.lr == pytest.approx(2e-3 * lr_lambda(step - 1, 8, warmup, 0.0))  # the logged lr: Muon's
-    # Muon's state is one momentum buffer per matrix: 4 bytes per element against AdamW's 8
-    params = [p for p in model.parameters() if p.requires_grad]
-    assert optimizer_state_bytes("muon", params) == sum(
-        sum(t.numel() * t.element_size() for k, t in s.items() if k != "step") for s in opt.state.values())
-    assert optimizer_state_bytes("adamw", params) == 8 * sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_is_what_the_memory_estimate_counts(optimizer):
+    # Muon: one fp32 momentum buffer per matrix element, AdamW two moments (the per-tensor step counts aside)
+    model, tcfg, opt, sched, guard, lm = _setup(optimizer=optimizer)
+    train_step(1, [_batch(1)], lm, opt, sched, guard, tcfg, Distributed())
+    held = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    shape = DrafterShape(hidden=H, vocab=V, n_features=NL, layers=1, heads=2, kv_heads=1, head_dim=16,
+                         intermediate=64, block_size=4)
+    assert held == optimizer_state_bytes(shape, optimizer)
+    assert sum(p.numel() for p in model.parameters()) == sum(shape.param_counts())
 
 
 def test_muon_state_round_trips_bitwise():

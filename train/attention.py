@@ -102,6 +102,17 @@ class BlockLayout:
             self._cache[key] = _dense_mask(self, within_block, window)
         return self._cache[key]
 
+    def additive(self, within_block: WithinBlock, window: int | None, dtype: torch.dtype) -> Tensor:
+        """The dense mask as an additive float mask (0 / -inf) in ``dtype``, cached per layer kind. SDPA keeps
+        a float mask by reference; a boolean one it converts into a new float copy per call, and every
+        layer's copy stays alive until backward."""
+        key = ("additive", within_block, window, dtype)
+        if key not in self._cache:
+            allowed = _dense_mask(self, within_block, window)
+            self._cache[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._cache[key]
+
     def flex(self, within_block: WithinBlock, window: int | None) -> Any:
         """FlexAttention ``BlockMask`` with the same predicate as :meth:`dense`, cached per layer kind."""
         key = ("flex", within_block, window)
@@ -203,5 +214,5 @@ def attend(
     if backend == "flex":
         block_mask = layout.flex(within_block, window)
         return _flex_fn()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    mask = layout.dense(within_block, window)
+    mask = layout.additive(within_block, window, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

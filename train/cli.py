@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dflash_cache.runtime.entry import dispatch, run_cli
 
 SUBCOMMANDS = {
+    "estimate": "train.estimate",
     "eval": "train.evaluate",
     "export": "train.export",
     "report": "train.report",

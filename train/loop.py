@@ -39,6 +39,7 @@ from .build import (
     total_steps_for,
 )
 from .checkpoint import Checkpointer, find_latest
+from .estimate import check_fits
 from .guards import SpikeGuard, TooManySkipsError
 from .metrics import MetricLogger
 from .signals import SignalFlag, TrainingInterrupted
@@ -103,6 +104,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
 def _train(cfg: PipelineConfig, cache: Any, run_dir: Path, d: Distributed) -> TrainResult:
     log.info("training: %s", d.describe())
     budget_cpu_threads(d.device, cfg.loader.num_readers, d.local_world_size)
+    check_fits(cfg, cache, d.device)  # before any GPU memory is taken: the worst step must fit
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cache, d.device)
     optimizer = build_optimizer(cfg.train, model)

@@ -349,7 +349,7 @@ class DFlashDrafter(nn.Module):
                 f"{self.fc.in_features} = {len(self.config.target_layer_ids)} layers x {self.config.hidden_size}",
                 fields=["hidden_size", "target_layer_ids"],
             )
-        x = features if torch.is_autocast_enabled(features.device.type) else features.to(self.fc.weight.dtype)
+        x = features if _autocast_on(features.device) else features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(x))
 
     def forward(self, features: Tensor, block_ids: Tensor, block_positions: Tensor, layout: BlockLayout) -> Tensor:
@@ -373,9 +373,17 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V] through the frozen target lm_head."""
         w = self.lm_head
-        if not torch.is_autocast_enabled(hidden.device.type):
+        if not _autocast_on(hidden.device):
             w = w.to(hidden.dtype)
         return F.linear(hidden, w)
+
+
+def _autocast_on(device: torch.device) -> bool:
+    """Whether autocast is active for ``device`` (never for devices autocast does not know, e.g. meta)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:
+        return False
 
 
 def _check_head(cfg: DFlashConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:

@@ -109,6 +109,15 @@ class Blocks:
     targets: Tensor  # [A, B] token at a+k (row 0 unused)
     row_valid: Tensor  # [A, B] bool: row k counts (k >= 1, in the anchor's document, on the loss mask)
 
+    def to(self, device: torch.device) -> Blocks:
+        """The same blocks on ``device`` (the index work may run where the batch's token ids are)."""
+        if self.targets.device == device:
+            return self
+        lay = self.layout
+        layout = BlockLayout(lay.anchors.to(device), lay.ctx_doc.to(device), lay.ctx_pos.to(device), lay.block_size)
+        return Blocks(layout, self.block_ids.to(device), self.block_positions.to(device), self.targets.to(device),
+                      self.row_valid.to(device))
+
 
 @dataclass
 class FlatBatch:
@@ -313,11 +322,16 @@ def merge_metrics(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str
 
 
 def forward_blocks(model: Any, batch: BatchLike, flat: FlatBatch, anchors: Tensor) -> tuple[Tensor, Blocks]:
-    """Run the drafter on the blocks at ``anchors`` [A]: final hidden states [A, B, H] and the blocks."""
+    """Run the drafter on the blocks at ``anchors`` [A]: final hidden states [A, B, H] and the blocks (on the
+    features' device; the index work runs where ``flat`` is)."""
     cfg = model.config
-    blocks = build_blocks(flat, anchors, cfg.block_size, cfg.mask_token_id)
-    hidden = model(batch.features, blocks.block_ids, blocks.block_positions, blocks.layout)
-    return hidden, blocks
+    return run_blocks(model, batch, build_blocks(flat, anchors, cfg.block_size, cfg.mask_token_id))
+
+
+def run_blocks(model: Any, batch: BatchLike, blocks: Blocks) -> tuple[Tensor, Blocks]:
+    """The drafter's final hidden states [A, B, H] for ``blocks``, moved to the features' device first."""
+    blocks = blocks.to(batch.features.device)
+    return model(batch.features, blocks.block_ids, blocks.block_positions, blocks.layout), blocks
 
 
 @torch.no_grad()
@@ -343,8 +357,10 @@ def dflash_loss(model: Any, batch: BatchLike, *, num_anchors: int = 512,
     anchors = sample_anchors(flat.eligible, flat.docs, num_anchors, generator)  # [A]
     if anchors.numel() == 0:
         return _empty_loss(model, B)
-    hidden, blocks = forward_blocks(model, batch, flat, anchors)  # [A, B, H]
+    blocks = build_blocks(flat, anchors, B, model.config.mask_token_id)
     rows = blocks.row_valid.reshape(-1).nonzero().flatten()  # the counted rows only: [N]
+    hidden, blocks = run_blocks(model, batch, blocks)  # [A, B, H]
+    rows = rows.to(hidden.device)
     ce, pred_rows = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[rows], model.lm_head,
                                           blocks.targets.reshape(-1)[rows], chunk_rows)  # [N], [N]
     w, denominator = weighting.weigh(ce.detach(), rows, blocks.row_valid)  # [N] detached, []

@@ -9,12 +9,13 @@
 ``load_state_dict``, and ``param_groups`` that *are* the parts' own group dicts, so a learning-rate
 scheduler built on it drives both (each group from its own peak lr) and ``train_step`` stays the same for
 either choice. A guard-skipped step calls no ``step``: every part's state (AdamW moments, Muon momentum)
-stays bitwise unchanged. The checkpoint holds each part's state under its name.
+stays bitwise unchanged. The checkpoint holds each part's state under its name. State size: AdamW two fp32
+moments per parameter, Muon one fp32 momentum buffer (``train.estimate.optimizer_state_bytes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,27 +23,10 @@ from torch import Tensor
 
 from dflash_cache.errors import DFlashError
 
-# bytes of optimizer state per trainable fp32 parameter: AdamW keeps two fp32 moments (exp_avg, exp_avg_sq),
-# Muon one fp32 momentum buffer (plus, for both, a scalar step count per tensor, not counted)
-ADAMW_STATE_BYTES = 8
-MUON_STATE_BYTES = 4
-
 
 def is_muon_matrix(p: Tensor) -> bool:
     """The parameters ``train.optimizer = "muon"`` hands to Muon: trainable 2-D weight matrices."""
     return p.requires_grad and p.ndim == 2
-
-
-def state_bytes_per_param(choice: str, p: Tensor) -> int:
-    """Bytes of optimizer state the parameter ``p`` costs per element under ``train.optimizer = choice``."""
-    if choice == "muon" and is_muon_matrix(p):
-        return MUON_STATE_BYTES
-    return ADAMW_STATE_BYTES
-
-
-def optimizer_state_bytes(choice: str, params: Iterable[Tensor]) -> int:
-    """Total bytes of optimizer state of the trainable ``params`` under ``train.optimizer = choice``."""
-    return sum(p.numel() * state_bytes_per_param(choice, p) for p in params if p.requires_grad)
 
 
 class CombinedOptimizer(torch.optim.Optimizer):

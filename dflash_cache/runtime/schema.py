@@ -27,6 +27,11 @@ class TeacherConfig(Section):
     device: str = "auto"  # "auto" = cuda:LOCAL_RANK when available, else cpu
     device_map: str | None = None  # e.g. "auto" to split a big teacher over the visible GPUs
     attn_implementation: str | None = None
+    # The teacher's shapes, for `dflash-train estimate` on a machine without its weights or the hub (the
+    # cache's spec, or the model's config.json when present, takes precedence); extraction checks them.
+    hidden_size: int | None = Field(None, gt=0)
+    vocab_size: int | None = Field(None, gt=0)
+    num_layers: int | None = Field(None, gt=0)
 
 
 class DataConfig(Section):
@@ -152,6 +157,8 @@ class TrainConfig(Section):
     loss_gamma: float | None = Field(None, gt=0)  # exp_decay only; None: 7 for B=16, 5 for B=10, 4 for B=8
     dpace_alpha: float = Field(0.5, gt=0, le=1)  # dpace only: confidence smoothing (1-alpha)*q + alpha
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    # refuse to start on a GPU when `dflash-train estimate` predicts a step peak above its memory
+    check_memory: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
