@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--config", default=str(CONFIG))
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run (the demo trains ~500)")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=1, help="train.seed of the first seed (seed 0 is the one "
+                    "the learning rates were probed on; see docs/recipe.md)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (separate processes)")
     ap.add_argument("--combos", nargs="*", default=None,
                     help=f"subset of WEIGHTING+OPTIMIZER to run (default: all of {WEIGHTINGS} x {OPTIMIZERS})")
@@ -107,7 +109,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in combos}
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = []
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for combo in combos:
                 weighting, optimizer = combo.split("+")
                 overrides = [f"train.max_steps={args.steps}", f"train.seed={seed}",
@@ -134,7 +136,8 @@ def main() -> None:
         summary[combo] = entry
     out = {
         "config": str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT) else args.config,
-        "overrides": args.overrides, "steps_per_run": args.steps, "seeds": args.seeds, "cache": cache_url,
+        "overrides": args.overrides, "steps_per_run": args.steps,
+        "seeds": list(range(args.first_seed, args.first_seed + args.seeds)), "cache": cache_url,
         "heldout_blocks": runs[combos[0]][0]["heldout_blocks"], "torch_threads": 1, "jobs": args.jobs,
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "total_s": round(time.perf_counter() - t_start, 1), "summary": summary, "runs": runs,
