@@ -137,8 +137,8 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)  # AdamW's decoupled weight decay
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW's betas
     # peak Muon lr (same warmup + cosine schedule as lr); with muon_adjust_lr = "match_rms_adamw" an update has
-    # about the RMS of an AdamW update at this lr
-    muon_lr: float = Field(6e-4, gt=0)
+    # about the RMS of an AdamW update at this lr, but Muon's best lr is higher (docs/recipe.md)
+    muon_lr: float = Field(3e-3, gt=0)
     muon_momentum: float = Field(0.95, ge=0, lt=1)  # Muon's (Nesterov) momentum
     muon_weight_decay: float = Field(0.0, ge=0)  # Muon's decoupled weight decay
     muon_ns_steps: int = Field(5, gt=0, lt=100)  # Newton-Schulz iterations orthogonalising each update
