@@ -12,6 +12,7 @@ from dflash_cache.errors import ConfigError, DataError
 from train.plan import PlanSettings, build_plan, holdout_mask, splitmix64, stable_hash
 
 EDGES = [256, 512, 1024, 2048]
+BLOCKS = {"num_anchors": 512, "block_size": 16, "max_block_positions": 65536}  # the default budget
 
 
 def _index(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -30,7 +31,7 @@ def _all_ranks(ids, lengths, buckets, s: PlanSettings, epoch: int):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_sample_exactly_once_per_epoch(world: int, packing: bool) -> None:
     ids, lengths, buckets = _index(3001)
-    s = PlanSettings(seed=7, world_size=world, tokens_per_batch=8192, packing=packing,
+    s = PlanSettings(**BLOCKS, seed=7, world_size=world, tokens_per_batch=8192, packing=packing,
                      row_tokens=4096 if packing else None, sort_window=8, holdout_fraction=0.05)
     held = holdout_mask(ids, 0.05)
     expected = np.sort(ids[~held])
@@ -56,9 +57,9 @@ def test_every_sample_exactly_once_per_epoch(world: int, packing: bool) -> None:
 def test_remainder_batches_are_split_not_dropped() -> None:
     ids, lengths, buckets = _index(500, seed=3)
     for world in (2, 3, 5, 7):
-        s = PlanSettings(seed=1, world_size=world, tokens_per_batch=4096)
+        s = PlanSettings(**BLOCKS, seed=1, world_size=world, tokens_per_batch=4096)
         plans = _all_ranks(ids, lengths, buckets, s, 0)
-        one = build_plan(ids, lengths, buckets, PlanSettings(seed=1, tokens_per_batch=4096), epoch=0)
+        one = build_plan(ids, lengths, buckets, PlanSettings(**BLOCKS, seed=1, tokens_per_batch=4096), epoch=0)
         assert plans[0].stats.n_batches == len(one) + plans[0].stats.n_split
         assert plans[0].stats.n_batches % world == 0
         assert sum(len(b.positions) for p in plans for b in p.batches) == 500
@@ -66,7 +67,7 @@ def test_remainder_batches_are_split_not_dropped() -> None:
 
 def test_plan_is_independent_of_index_order_and_deterministic() -> None:
     ids, lengths, buckets = _index(2000)
-    s = PlanSettings(seed=5, tokens_per_batch=8192)
+    s = PlanSettings(**BLOCKS, seed=5, tokens_per_batch=8192)
     a = build_plan(ids, lengths, buckets, s, epoch=2)
     perm = np.random.default_rng(9).permutation(len(ids))
     b = build_plan(ids[perm], lengths[perm], buckets[perm], s, epoch=2)
@@ -78,10 +79,10 @@ def test_plan_is_independent_of_index_order_and_deterministic() -> None:
 
 _CHILD = """
 import hashlib, numpy as np
-from tests.test_plan import _index
+from tests.test_plan import BLOCKS, _index
 from train.plan import PlanSettings, build_plan
 ids, lengths, buckets = _index(4000)
-p = build_plan(ids, lengths, buckets, PlanSettings(seed=11, world_size=2, tokens_per_batch=8192,
+p = build_plan(ids, lengths, buckets, PlanSettings(**BLOCKS, seed=11, world_size=2, tokens_per_batch=8192,
                packing=True, row_tokens=4096, holdout_fraction=0.1), epoch=1, rank=1)
 h = hashlib.sha256()
 for b in p.batches:
@@ -98,7 +99,7 @@ def test_plan_is_identical_across_processes() -> None:
 
 def test_padding_is_small_and_buckets_are_spread_over_the_epoch() -> None:
     ids, lengths, buckets = _index(20000)
-    plan = build_plan(ids, lengths, buckets, PlanSettings(seed=0, tokens_per_batch=16384), epoch=0)
+    plan = build_plan(ids, lengths, buckets, PlanSettings(**BLOCKS, seed=0, tokens_per_batch=16384), epoch=0)
     assert plan.stats.padding_fraction < 0.02
     order = np.array([b.bucket for b in plan.batches])
     n = len(order)
@@ -110,7 +111,7 @@ def test_padding_is_small_and_buckets_are_spread_over_the_epoch() -> None:
 
 def test_packed_rows_have_no_padding_beyond_row_tails() -> None:
     ids, lengths, buckets = _index(5000)
-    s = PlanSettings(seed=0, tokens_per_batch=16384, packing=True, row_tokens=4096)
+    s = PlanSettings(**BLOCKS, seed=0, tokens_per_batch=16384, packing=True, row_tokens=4096)
     plan = build_plan(ids, lengths, buckets, s, epoch=0)
     assert plan.stats.padding_fraction < 0.02
     assert all(b.num_rows <= 4 for b in plan.batches)
@@ -119,21 +120,21 @@ def test_packed_rows_have_no_padding_beyond_row_tails() -> None:
 def test_errors_and_edge_cases() -> None:
     ids, lengths, buckets = _index(300)
     with pytest.raises(ConfigError, match="tokens_per_batch"):
-        build_plan(ids, lengths, buckets, PlanSettings(seed=0, tokens_per_batch=int(lengths.max()) - 1), epoch=0)
+        build_plan(ids, lengths, buckets, PlanSettings(**BLOCKS, seed=0, tokens_per_batch=int(lengths.max()) - 1), epoch=0)
     with pytest.raises(ConfigError, match="pack_row_tokens"):
-        build_plan(ids, lengths, buckets, PlanSettings(seed=0, tokens_per_batch=8192, packing=True, row_tokens=100),
+        build_plan(ids, lengths, buckets, PlanSettings(**BLOCKS, seed=0, tokens_per_batch=8192, packing=True, row_tokens=100),
                    epoch=0)
     with pytest.raises(DataError, match="4 ranks"):
-        build_plan(ids[:3], lengths[:3], buckets[:3], PlanSettings(seed=0, world_size=4, tokens_per_batch=4096),
+        build_plan(ids[:3], lengths[:3], buckets[:3], PlanSettings(**BLOCKS, seed=0, world_size=4, tokens_per_batch=4096),
                    epoch=0)
     with pytest.raises(DataError, match="0 training samples"):
-        build_plan(ids[:0], lengths[:0], buckets[:0], PlanSettings(seed=0), epoch=0)
+        build_plan(ids[:0], lengths[:0], buckets[:0], PlanSettings(**BLOCKS, seed=0), epoch=0)
     with pytest.raises(DataError, match="duplicate"):
         build_plan(np.r_[ids, ids[:1]], np.r_[lengths, lengths[:1]], np.r_[buckets, buckets[:1]],
-                   PlanSettings(seed=0, tokens_per_batch=4096), epoch=0)
+                   PlanSettings(**BLOCKS, seed=0, tokens_per_batch=4096), epoch=0)
     # a bucket with no sample contributes no batch
     keep = buckets != 1
-    plan = build_plan(ids[keep], lengths[keep], buckets[keep], PlanSettings(seed=0, tokens_per_batch=4096), epoch=0)
+    plan = build_plan(ids[keep], lengths[keep], buckets[keep], PlanSettings(**BLOCKS, seed=0, tokens_per_batch=4096), epoch=0)
     assert 1 not in plan.stats.batches_per_bucket and len(plan.stats.batches_per_bucket) == len(set(buckets[keep]))
 
 
