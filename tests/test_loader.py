@@ -20,7 +20,7 @@ from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
 from dflash_cache.runtime.schema import LoaderConfig
 from dflash_cache.synthetic import make_synthetic_cache
 from train.loader import StreamingLoader
-from train.plan import holdout_mask
+from train.plan import holdout_mask, plan_from_index
 
 N = 240
 BLOCKS = {"num_anchors": 512, "block_size": 16}  # train.num_anchors, model.block_size (the defaults)
@@ -330,3 +330,41 @@ def test_buffer_pool_waits_for_views_and_device_copies() -> None:
     event.done = True
     assert pool.batch_tensors(2, 8, 16)["features"].data_ptr() == ptr
     assert pool.take(8192).numel() == 8192  # larger than a slot: unpooled memory
+
+
+def test_each_epoch_is_planned_once_and_counted_plans_are_read(cache_url: str, monkeypatch) -> None:
+    from train import plan as plan_mod
+
+    calls = []
+    real = plan_mod.Planner.plan
+    monkeypatch.setattr(plan_mod.Planner, "plan", lambda self, epoch, **kw: calls.append(epoch) or real(self, epoch, **kw))
+    cache = open_cache(cache_url)
+    with StreamingLoader(cache, _cfg(), **BLOCKS, seed=3, max_epochs=3) as loader:
+        lengths = loader.epoch_lengths(3)
+        batches = _run(loader, 3)
+    assert calls == [0, 1, 2], "every epoch's plan is built once: the counted plans are the ones read"
+    assert [sum(b.epoch == e for b in batches) for e in range(3)] == lengths
+    estimate = plan_from_index(cache.index(), _cfg(), seed=3, epoch=1, **BLOCKS)  # what `estimate` plans
+    assert [cache.index().sample_ids[b.positions].tolist() for b in estimate.batches] == \
+        [b.sample_ids.tolist() for b in batches if b.epoch == 1]
+
+
+def test_the_block_budget_bounds_the_objective_blocks(cache_url: str) -> None:
+    from train.objective import FlatBatch, sample_anchors
+
+    anchors, block = 8, 16
+    budget = 5 * (anchors * block)  # at most 5 documents of >= 9 tokens per batch; 1024 tokens would hold ~10
+    cache = open_cache(cache_url)
+    with StreamingLoader(cache, _cfg(max_block_positions=budget), seed=1, num_anchors=anchors, block_size=block,
+                         max_epochs=1) as loader:
+        batches = list(loader)
+    with StreamingLoader(cache, _cfg(), seed=1, num_anchors=anchors, block_size=block, max_epochs=1) as free:
+        assert len(list(free)) < len(batches)
+    kept = np.sort(np.arange(N)[~holdout_mask(np.arange(N), 0.1)])
+    np.testing.assert_array_equal(np.sort(np.concatenate([b.sample_ids.numpy() for b in batches])), kept)
+    for b in batches:
+        flat = FlatBatch.of(b)
+        drawn = sample_anchors(flat.eligible, flat.docs, anchors, torch.Generator().manual_seed(b.seed))
+        lengths = (b.doc_ids.unsqueeze(-1) == torch.arange(int(b.doc_ids.max()) + 1)).sum(1)  # [R, D]
+        bound = int((torch.clamp(lengths[lengths > 0] - 1, max=anchors) * block).sum())
+        assert len(drawn) * block <= bound <= budget

@@ -45,6 +45,7 @@ class SampleTable:
 
     sample_ids: np.ndarray  # int64 [N]
     lengths: np.ndarray  # int32 [N] tokens
+    buckets: np.ndarray  # int16 [N]
     part: np.ndarray  # int32 [N] into ``parts``
     row: np.ndarray  # int32 [N] position within its part
     parts: list[PartInfo]

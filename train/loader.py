@@ -114,6 +114,24 @@ class _Produced(NamedTuple):
     dropped: int  # samples left out because their part is quarantined
 
 
+def select_parts(index: Any, parts: list[str], url: str = "the cache") -> SampleTable:
+    """The samples of ``index`` (a :class:`~dflash_cache.index.CacheIndex`) in ``parts`` (part keys), selected
+    by part number: O(samples). Every part selected: views of the index arrays, no copy."""
+    number = {p.key: i for i, p in enumerate(index.parts)}
+    missing = sorted(k for k in set(parts) if k not in number)
+    if missing:
+        raise CacheError(f"parts {missing[:3]} planned for this run are no longer committed in {url}; "
+                         "restore them or start a new run")
+    if len(set(parts)) == len(index.parts):
+        sel: Any = slice(None)
+    else:
+        wanted = np.zeros(len(index.parts), dtype=bool)
+        wanted[[number[k] for k in parts]] = True
+        sel = np.flatnonzero(wanted[index.part])
+    return SampleTable(index.sample_ids[sel], index.lengths[sel], index.buckets[sel], index.part[sel],
+                       index.row[sel], list(index.parts))
+
+
 def extraction_finished(cache: Any) -> bool:
     """True once ``dflash-extract`` has finished writing ``cache``: its rank 0 writes the
     ``extract_report`` metadata document after every rank's last commit."""
@@ -267,26 +285,14 @@ class StreamingLoader:
         return idx
 
     def _table(self, parts: list[str]) -> tuple[SampleTable, Planner]:
-        """The samples of ``parts`` (selected by part number, O(samples)) and their planner; the latest is kept
-        (outside live mode every epoch plans the same parts)."""
+        """The samples of ``parts`` and their planner; the latest is kept (outside live mode every epoch
+        plans the same parts)."""
         key = tuple(parts)
         got = self._planner
         if got is not None and got[0] == key:
             return got[1], got[2]
-        idx = self._index_with(parts)
-        number = {p.key: i for i, p in enumerate(idx.parts)}
-        missing = sorted(k for k in set(parts) if k not in number)
-        if missing:
-            raise CacheError(f"parts {missing[:3]} planned for this run are no longer committed in "
-                             f"{self.cache.url}; restore them or start a new run")
-        if len(set(parts)) == len(idx.parts):
-            sel: Any = slice(None)  # every part: views of the index arrays, no copy
-        else:
-            wanted = np.zeros(len(idx.parts), dtype=bool)
-            wanted[[number[k] for k in parts]] = True
-            sel = np.flatnonzero(wanted[idx.part])
-        table = SampleTable(idx.sample_ids[sel], idx.lengths[sel], idx.part[sel], idx.row[sel], list(idx.parts))
-        planner = Planner(table.sample_ids, table.lengths, idx.buckets[sel], self.settings)
+        table = select_parts(self._index_with(parts), parts, self.cache.url)
+        planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings)
         self._planner = (key, table, planner)
         return table, planner
 

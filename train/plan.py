@@ -383,20 +383,35 @@ def _ranges(lo: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(lo, dtype=np.int64) - first, counts) + np.arange(total, dtype=np.int64)
 
 
-def _greedy_starts(end: np.ndarray) -> np.ndarray:
-    """Batch starts of a greedy cut: from 0, each batch ends where ``end[start]`` says (end > start)."""
+def _padded_token_end(lens: np.ndarray, wid: np.ndarray, budget: int) -> np.ndarray:
+    """For each start s: the first j (in s's window) with ``(j - s + 1) * lens[j] > budget``.
+
+    Within a window (``wid``: window of each sample, ascending) ``lens`` ascends, so
+    ``d[j] = j + 1 - budget // lens[j]`` strictly increases and j fits a batch started at s iff
+    ``d[j] <= s``: one searchsorted. An offset per window keeps the keys sorted across windows,
+    and makes the search stop at the window's end."""
+    n = len(lens)
+    j = np.arange(n, dtype=np.int64)
+    stride = n + budget + 1
+    keys = j + 1 - budget // lens + wid * stride
+    return np.searchsorted(keys, j + wid * stride, side="right")
+
+
+def _cut_starts(cap_end: np.ndarray, weight: np.ndarray, budget: int | None) -> np.ndarray:
+    """Starts of the greedy cut of a sequence of rows into batches: a batch started at row s takes the
+    rows j < ``cap_end[s]`` (token budget, sort window) while the sum of their ``weight`` (block
+    positions) stays within ``budget``. The ends are computed for every s at once; one Python step
+    per batch then follows them from row 0."""
+    if budget is None:
+        end = cap_end
+    else:
+        cum = np.cumsum(weight)
+        end = np.minimum(cap_end, np.searchsorted(cum, cum - weight + budget, side="right"))
     nxt, n, s, starts = end.tolist(), len(end), 0, []
     while s < n:
         starts.append(s)
         s = nxt[s]
     return np.asarray(starts, dtype=np.int64)
-
-
-def _budget_end(cum: np.ndarray, weight: np.ndarray, budget: int | None) -> np.ndarray:
-    """For each start s: the first j with ``sum(weight[s..j]) > budget`` (``cum`` = cumsum(weight))."""
-    if budget is None:
-        return np.full(len(cum), len(cum), dtype=np.int64)
-    return np.searchsorted(cum, cum - weight + budget, side="right")
 
 
 class _Cut:
@@ -427,15 +442,14 @@ class _Cut:
             fill = np.add.reduceat(self.lengths[pos], row_starts[:-1])
             bp = np.add.reduceat(s.block_bound(self.lengths[pos]), row_starts[:-1])
             cap_end = np.minimum(np.arange(len(fill)) + max(1, s.tokens_per_batch // s.pack_row_tokens()),
-                                 np.searchsorted(wid_rows, wid_rows, side="right"))
+                                 np.searchsorted(wid_rows, wid_rows, side="right"))  # rows per batch, window end
         else:  # one sample per row: each window ascending by length (stable in the shuffled order)
             order = np.argsort(wid * (int(lens.max()) + 1) + lens, kind="stable")
             pos, fill, wid_rows = pos[order], lens[order], wid[order]
             row_starts = np.arange(len(pos) + 1, dtype=np.int64)
             bp = s.block_bound(fill)
-            cap_end = self._padded_token_end(fill, wid_rows)
-        end = np.minimum(cap_end, _budget_end(np.cumsum(bp), bp, s.max_block_positions))
-        starts = _greedy_starts(end)
+            cap_end = _padded_token_end(fill, wid_rows, s.tokens_per_batch)
+        starts = _cut_starts(cap_end, bp, s.max_block_positions)
         r0 = starts + self._n_rows
         r1 = np.append(starts[1:], len(fill)) + self._n_rows
         self._pos.append(pos)
@@ -445,21 +459,9 @@ class _Cut:
         perm = rng.permutation(len(starts))
         self._batches.append((bucket, r0[perm], r1[perm]))
 
-    def _padded_token_end(self, lens: np.ndarray, wid: np.ndarray) -> np.ndarray:
-        """For each start s: the first j (in s's window) with ``(j - s + 1) * lens[j] > tokens_per_batch``.
-
-        Within a window ``lens`` ascends, so ``d[j] = j + 1 - budget // lens[j]`` strictly increases and
-        j fits a batch started at s iff ``d[j] <= s``: one searchsorted. An offset per window keeps the
-        keys sorted across windows, and makes the search stop at the window's end."""
-        budget, n = self.s.tokens_per_batch, len(lens)
-        j = np.arange(n, dtype=np.int64)
-        stride = n + budget + 1
-        keys = j + 1 - budget // lens + wid * stride
-        return np.searchsorted(keys, j + wid * stride, side="right")
-
     def _pack(self, pos: np.ndarray, lens: np.ndarray, wid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Packed rows per window: longest first onto the emptiest row (rows pre-opened for the window's
-        tokens and block positions); a sample that fits neither budget of the emptiest row opens a new one.
+        tokens and block positions); a sample that would break either budget of the emptiest row opens a new one.
         Returns (row starts [R+1] into the reordered samples, that order [N], window of each row [R]),
         rows ordered by fill within each window."""
         cap, s = self.s.pack_row_tokens(), self.s
