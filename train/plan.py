@@ -301,12 +301,11 @@ class Planner:
             cut.add_bucket(b, pos, np.random.default_rng([*key, b]))
         ordered = cut.interleave(np.random.default_rng([*key, 1 << 20]))
         n_split = cut.balance(ordered, s.world_size)
-        meta = cut.metadata(ordered)
         h = hashlib.sha256()
         h.update(repr((PLAN_VERSION, s, epoch, window, rank)).encode())
         h.update(self.digest.encode())
-        return cut.epoch_plan(meta[rank::s.world_size], epoch=epoch, window=window, rank=rank,
-                              first_index=first_index, stats=meta.stats(self.n_samples, self.n_holdout, n_split),
+        return cut.epoch_plan(ordered[rank::s.world_size], epoch=epoch, window=window, rank=rank,
+                              first_index=first_index, stats=ordered.stats(self.n_samples, self.n_holdout, n_split),
                               identity=h.hexdigest()[:16])
 
 
@@ -423,7 +422,7 @@ class _Cut:
         self.lengths, self.s = lengths, s
         self._pos: list[np.ndarray] = []
         self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row starts, fill, bp) per bucket
-        self._batches: list[tuple[int, np.ndarray, np.ndarray]] = []  # (bucket, r0, r1), in shuffled order
+        self._batches: list[_Order] = []  # each bucket's batches, in shuffled order
         self._n_pos = self._n_rows = 0
 
     # ---- forming batches
@@ -452,12 +451,14 @@ class _Cut:
         starts = _cut_starts(cap_end, bp, s.max_block_positions)
         r0 = starts + self._n_rows
         r1 = np.append(starts[1:], len(fill)) + self._n_rows
+        perm = rng.permutation(len(starts))
+        batches = _Order(np.full(len(starts), bucket, dtype=np.int64), r0, r1, np.maximum.reduceat(fill, starts),
+                         np.add.reduceat(fill, starts), np.add.reduceat(bp, starts))
+        self._batches.append(batches[perm])
         self._pos.append(pos)
         self._rows.append((row_starts[:-1] + self._n_pos, fill, bp))
         self._n_pos += len(pos)
         self._n_rows += len(fill)
-        perm = rng.permutation(len(starts))
-        self._batches.append((bucket, r0[perm], r1[perm]))
 
     def _pack(self, pos: np.ndarray, lens: np.ndarray, wid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Packed rows per window: longest first onto the emptiest row (rows pre-opened for the window's
@@ -509,26 +510,25 @@ class _Cut:
     def interleave(self, rng: np.random.Generator) -> _Order:
         """All buckets formed: spread each bucket's batches evenly over the epoch (batch i of n at
         (i + u_b) / n) and return them in that order."""
-        cat = (lambda a: np.concatenate(a).astype(np.int64)) if self._pos else (lambda a: np.zeros(0, np.int64))
-        self.positions = cat(self._pos)
-        self.row_lo, self.row_fill, self.row_bp = (cat([r[k] for r in self._rows]) for k in range(3))
+        cat = (lambda a: np.concatenate(a)) if self._pos else (lambda a: np.zeros(0, np.int64))
+        self.positions = cat(self._pos)  # [S] index dtype
+        self.row_lo, self.row_fill, self.row_bp = (cat([r[k] for r in self._rows]).astype(np.int64, copy=False)
+                                                   for k in range(3))
         self.row_hi = np.append(self.row_lo[1:], self._n_pos)
-        keys, buckets, r0, r1, i = [], [], [], [], []
-        for b, rb0, rb1 in sorted(self._batches, key=lambda t: t[0]):
-            u, n = rng.random(), len(rb0)
+        per_bucket = sorted(self._batches, key=lambda o: int(o.bucket[0]))
+        keys, i = [], []
+        for o in per_bucket:
+            u, n = rng.random(), len(o)
             keys.append((np.arange(n) + u) / n)
-            buckets.append(np.full(n, b, dtype=np.int64))
-            r0.append(rb0)
-            r1.append(rb1)
             i.append(np.arange(n))
-        order = np.lexsort((np.concatenate(i), np.concatenate(buckets), np.concatenate(keys)))
-        return _Order(np.concatenate(buckets)[order], np.concatenate(r0)[order], np.concatenate(r1)[order])
+        both = _Order.concat(per_bucket)
+        return both[np.lexsort((np.concatenate(i), both.bucket, np.concatenate(keys)))]
 
     def balance(self, o: _Order, world: int) -> int:
         """Split the batches with the most samples until every rank gets the same count."""
         n_split = 0
         while len(o.r0) % world:
-            sizes = self.row_hi[o.r1 - 1] - self.row_lo[o.r0]  # samples per batch (its rows are contiguous)
+            sizes = self._samples(o)
             i = len(sizes) - 1 - int(np.argmax(sizes[::-1]))  # the latest of the largest
             if sizes[i] < 2:
                 raise DataError(f"cannot give {world} ranks the same number of batches: too few samples")
@@ -543,76 +543,75 @@ class _Cut:
                 self.row_lo = np.append(self.row_lo, [lo, half])
                 self.row_hi = np.append(self.row_hi, [half, hi])
                 for a, b in ((lo, half), (half, hi)):
-                    part = self.positions[a:b]
-                    self.row_fill = np.append(self.row_fill, self.lengths[part].sum())
-                    self.row_bp = np.append(self.row_bp, self.s.block_bound(self.lengths[part]).sum())
+                    lens = self.lengths[self.positions[a:b]]
+                    self.row_fill = np.append(self.row_fill, lens.sum())
+                    self.row_bp = np.append(self.row_bp, self.s.block_bound(lens).sum())
                 halves = [(n, n + 1), (n + 1, n + 2)]
-            o.replace(i, halves)
+            o.replace(i, [self._batch(b0, b1, int(o.bucket[i])) for b0, b1 in halves])
             n_split += 1
         return n_split
 
-    def metadata(self, o: _Order) -> _Meta:
-        """Rows, padded length, tokens and block positions of each batch of ``o``."""
-        counts = o.r1 - o.r0
-        if not len(counts):
-            return _Meta(o, counts, counts, counts, counts)
-        rows = _ranges(o.r0, counts)
-        first = np.cumsum(counts) - counts
-        fill = self.row_fill[rows]
-        return _Meta(o, counts, np.maximum.reduceat(fill, first), np.add.reduceat(fill, first),
-                     np.add.reduceat(self.row_bp[rows], first))
+    def _batch(self, r0: int, r1: int, bucket: int) -> _Order:
+        """One batch of rows [r0, r1)."""
+        fill = self.row_fill[r0:r1]
+        return _Order(np.array([bucket]), np.array([r0]), np.array([r1]), fill.max(keepdims=True),
+                      fill.sum(keepdims=True), self.row_bp[r0:r1].sum(keepdims=True))
 
-    def epoch_plan(self, m: _Meta, *, epoch: int, window: int, rank: int, first_index: int, stats: PlanStats,
+    def _samples(self, o: _Order) -> np.ndarray:
+        """Samples of each batch: a batch's rows cover one contiguous range of ``positions``."""
+        return self.row_hi[o.r1 - 1] - self.row_lo[o.r0]
+
+    def epoch_plan(self, o: _Order, *, epoch: int, window: int, rank: int, first_index: int, stats: PlanStats,
                    identity: str) -> EpochPlan:
-        rows = _ranges(m.order.r0, m.rows)
-        n = self.row_hi[rows] - self.row_lo[rows]
+        counts = o.r1 - o.r0
+        rows = _ranges(o.r0, counts)
         dt = _index_dtype(max(len(self.lengths), len(self.positions) + 1))
-        positions = self.positions[_ranges(self.row_lo[rows], n)].astype(dt)
+        positions = self.positions[_ranges(self.row_lo[o.r0], self._samples(o))].astype(dt)
         return EpochPlan(
             epoch=epoch, window=window, rank=rank, first_index=first_index, positions=positions,
-            row_starts=np.concatenate([[0], np.cumsum(n)]).astype(dt),
-            batch_rows=np.concatenate([[0], np.cumsum(m.rows)]).astype(np.int64),
-            bucket=m.order.bucket, seq_len=m.seq_len, n_tokens=m.n_tokens, block_positions=m.block_positions,
-            seed=batch_seeds(self.s.seed, epoch, first_index + np.arange(len(m.rows)), rank),
+            row_starts=np.concatenate([[0], np.cumsum(self.row_hi[rows] - self.row_lo[rows])]).astype(dt),
+            batch_rows=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            bucket=o.bucket, seq_len=o.seq_len, n_tokens=o.n_tokens, block_positions=o.block_positions,
+            seed=batch_seeds(self.s.seed, epoch, first_index + np.arange(len(counts)), rank),
             stats=stats, identity=identity,
         )
 
 
 class _Order:
-    """Batches in epoch order: bucket and row range [r0, r1) of each."""
+    """Batches in epoch order (int64 [nb] columns): bucket, row range [r0, r1), padded row length, tokens
+    and block positions."""
 
-    def __init__(self, bucket: np.ndarray, r0: np.ndarray, r1: np.ndarray):
+    def __init__(self, bucket: np.ndarray, r0: np.ndarray, r1: np.ndarray, seq_len: np.ndarray,
+                 n_tokens: np.ndarray, block_positions: np.ndarray):
         self.bucket, self.r0, self.r1 = bucket, r0, r1
+        self.seq_len, self.n_tokens, self.block_positions = seq_len, n_tokens, block_positions
 
-    def __getitem__(self, k: slice) -> _Order:
-        return _Order(self.bucket[k], self.r0[k], self.r1[k])
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        return self.bucket, self.r0, self.r1, self.seq_len, self.n_tokens, self.block_positions
 
-    def replace(self, i: int, halves: list[tuple[int, int]]) -> None:
-        (a0, a1), (b0, b1) = halves
-        self.bucket = np.insert(self.bucket, i, self.bucket[i])
-        self.r0 = np.concatenate([self.r0[:i], [a0, b0], self.r0[i + 1:]])
-        self.r1 = np.concatenate([self.r1[:i], [a1, b1], self.r1[i + 1:]])
+    @classmethod
+    def concat(cls, parts: list[_Order]) -> _Order:
+        if not parts:
+            return cls(*(np.zeros(0, np.int64) for _ in range(6)))
+        return cls(*(np.concatenate(c) for c in zip(*(p._columns() for p in parts), strict=True)))
 
+    def __len__(self) -> int:
+        return len(self.r0)
 
-@dataclass
-class _Meta:
-    """Per-batch columns of an :class:`_Order` (int64 [nb] each)."""
+    def __getitem__(self, k: slice | np.ndarray) -> _Order:
+        return _Order(*(c[k] for c in self._columns()))
 
-    order: _Order
-    rows: np.ndarray
-    seq_len: np.ndarray
-    n_tokens: np.ndarray
-    block_positions: np.ndarray
-
-    def __getitem__(self, k: slice) -> _Meta:
-        return _Meta(self.order[k], self.rows[k], self.seq_len[k], self.n_tokens[k], self.block_positions[k])
+    def replace(self, i: int, halves: list[_Order]) -> None:
+        """Batch i becomes the two batches ``halves``."""
+        new = _Order.concat([self[:i], *halves, self[i + 1:]])
+        self.bucket, self.r0, self.r1, self.seq_len, self.n_tokens, self.block_positions = new._columns()
 
     def stats(self, n_samples: int, n_holdout: int, n_split: int) -> PlanStats:
-        bp = self.block_positions
-        buckets, counts = np.unique(self.order.bucket, return_counts=True)
+        bp, rows = self.block_positions, self.r1 - self.r0
+        buckets, counts = np.unique(self.bucket, return_counts=True)
         return PlanStats(
             n_samples=n_samples, n_holdout=n_holdout, n_tokens=int(self.n_tokens.sum()),
-            n_padded=int((self.rows * self.seq_len).sum() - self.n_tokens.sum()), n_batches=len(self.rows),
+            n_padded=int((rows * self.seq_len).sum() - self.n_tokens.sum()), n_batches=len(rows),
             n_split=n_split, batches_per_bucket={int(b): int(c) for b, c in zip(buckets, counts, strict=True)},
             block_positions=int(bp.sum()), block_positions_median=float(np.median(bp)) if len(bp) else 0.0,
             block_positions_max=int(bp.max()) if len(bp) else 0,
