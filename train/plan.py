@@ -45,7 +45,7 @@ import hashlib
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -68,11 +68,18 @@ def _splitmix64_int(x: int) -> int:
 def splitmix64(values: np.ndarray) -> np.ndarray:
     """Vectorised splitmix64 finaliser (a stable 64-bit hash) of int64/uint64 values."""
     x = np.asarray(values).astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
+    t = np.empty_like(x)
+    with np.errstate(over="ignore"):  # in place: a hash of 10M ids makes two arrays, not ten
         x += np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+        np.right_shift(x, np.uint64(30), out=t)
+        x ^= t
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        np.right_shift(x, np.uint64(27), out=t)
+        x ^= t
+        x *= np.uint64(0x94D049BB133111EB)
+        np.right_shift(x, np.uint64(31), out=t)
+        x ^= t
+    return x
 
 
 def stable_hash(*values: int) -> int:
@@ -192,13 +199,7 @@ class PlannedBatches(Sequence[PlannedBatch]):
     def __len__(self) -> int:
         return len(self._plan)
 
-    @overload
-    def __getitem__(self, k: int) -> PlannedBatch: ...
-
-    @overload
-    def __getitem__(self, k: slice) -> list[PlannedBatch]: ...
-
-    def __getitem__(self, k: int | slice) -> PlannedBatch | list[PlannedBatch]:
+    def __getitem__(self, k: int | slice) -> PlannedBatch | list[PlannedBatch]:  # type: ignore[override]
         if isinstance(k, slice):
             return [self._plan.batch(i) for i in range(*k.indices(len(self)))]
         return self._plan.batch(k)
@@ -231,20 +232,15 @@ class EpochPlan:
     def batches(self) -> PlannedBatches:
         return PlannedBatches(self)
 
-    def num_rows(self, k: int) -> int:
-        return int(self.batch_rows[k + 1] - self.batch_rows[k])
-
-    def num_samples(self, k: int) -> int:
-        return int(self.row_starts[self.batch_rows[k + 1]] - self.row_starts[self.batch_rows[k]])
-
     def batch(self, k: int) -> PlannedBatch:
         if not -len(self) <= k < len(self):
             raise IndexError(f"batch {k} of a plan with {len(self)} batches")
         k %= len(self)
         r0, r1 = int(self.batch_rows[k]), int(self.batch_rows[k + 1])
         starts = self.row_starts[r0:r1 + 1].astype(np.int64)
-        return PlannedBatch(bucket=int(self.bucket[k]), positions=self.positions[starts[0]:starts[-1]].astype(np.int64),
-                            row_splits=starts - starts[0], seq_len=int(self.seq_len[k]),
+        positions = self.positions[starts[0]:starts[-1]].astype(np.int64)
+        return PlannedBatch(bucket=int(self.bucket[k]), positions=positions, row_splits=starts - starts[0],
+                            seq_len=int(self.seq_len[k]),
                             n_tokens=int(self.n_tokens[k]), index=self.first_index + k, seed=int(self.seed[k]),
                             block_positions=int(self.block_positions[k]))
 
@@ -258,7 +254,7 @@ class Planner:
         self.settings = s = settings
         ids = np.asarray(sample_ids, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        bk = np.asarray(buckets, dtype=np.int64)
+        bk = np.asarray(buckets)
         if len(ids) != len(self.lengths) or len(ids) != len(bk):
             raise DataError(f"index arrays disagree: {len(ids)} sample ids, {len(self.lengths)} lengths, "
                             f"{len(bk)} buckets")
@@ -276,15 +272,14 @@ class Planner:
                 f"cannot give each of {s.world_size} ranks a batch; extract more data or lower "
                 "loader.holdout_fraction"
             )
-        _check_lengths(self.lengths[positions], s)
-        by_bucket = np.argsort(bk[positions], kind="stable")
-        grouped = positions[by_bucket]
-        edges = np.flatnonzero(np.diff(bk[grouped])) + 1
-        grouped = grouped.astype(_index_dtype(len(ids)))
-        self.groups = [(int(bk[g[0]]), g) for g in np.split(grouped, edges) if len(g)]
+        lengths_p, bk_p = self.lengths[positions], bk[positions]
+        _check_lengths(lengths_p, s)
+        grouped = positions[np.argsort(_small_keys(bk_p), kind="stable")].astype(_index_dtype(len(ids)))
+        counts = np.bincount(bk_p)
+        self.groups = [(b, g) for b, g in enumerate(np.split(grouped, np.cumsum(counts)[:-1])) if len(g)]
         h = hashlib.sha256()
-        for a in (ids, self.lengths, bk):
-            h.update(np.ascontiguousarray(a[positions]).tobytes())
+        for a, dtype in ((sorted_ids[~held], np.int64), (lengths_p, np.int32), (bk_p, np.int16)):
+            h.update(np.ascontiguousarray(a, dtype=dtype).tobytes())
         self.digest = h.hexdigest()
 
     def plan(self, epoch: int, *, rank: int = 0, window: int = 0, first_index: int = 0) -> EpochPlan:
@@ -382,6 +377,17 @@ def _ranges(lo: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(lo, dtype=np.int64) - first, counts) + np.arange(total, dtype=np.int64)
 
 
+def _small_keys(a: np.ndarray) -> np.ndarray:
+    """``a`` (non-negative ints) as uint16 when it fits: numpy's stable sort is then a radix sort, O(n)."""
+    return a.astype(np.uint16) if not len(a) or int(a.max()) < 2**16 else a
+
+
+def _sort_within_windows(lens: np.ndarray, wid: np.ndarray) -> np.ndarray:
+    """The order that sorts samples by (window, length), stable: by length first, then (stably) by window."""
+    by_len = np.argsort(_small_keys(lens), kind="stable")
+    return by_len[np.argsort(_small_keys(wid[by_len]), kind="stable")]
+
+
 def _padded_token_end(lens: np.ndarray, wid: np.ndarray, budget: int) -> np.ndarray:
     """For each start s: the first j (in s's window) with ``(j - s + 1) * lens[j] > budget``.
 
@@ -406,7 +412,8 @@ def _cut_starts(cap_end: np.ndarray, weight: np.ndarray, budget: int | None) -> 
     else:
         cum = np.cumsum(weight)
         end = np.minimum(cap_end, np.searchsorted(cum, cum - weight + budget, side="right"))
-    nxt, n, s, starts = end.tolist(), len(end), 0, []
+    nxt = memoryview(np.ascontiguousarray(end, dtype=np.int64))  # Python ints on access, no 8N-byte list
+    n, s, starts = len(end), 0, []
     while s < n:
         starts.append(s)
         s = nxt[s]
@@ -415,13 +422,13 @@ def _cut_starts(cap_end: np.ndarray, weight: np.ndarray, budget: int | None) -> 
 
 class _Cut:
     """The batches of one epoch, as they are formed bucket by bucket. Rows are ranges of ``positions``
-    (``row_lo``/``row_hi``) with their tokens (``row_fill``) and block positions (``row_bp``); a batch is a
+    (``row_lo``/``row_hi``); a batch is a
     range ``[r0, r1)`` of rows."""
 
     def __init__(self, lengths: np.ndarray, s: PlanSettings):
         self.lengths, self.s = lengths, s
         self._pos: list[np.ndarray] = []
-        self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row starts, fill, bp) per bucket
+        self._rows: list[np.ndarray] = []  # row starts (into the concatenated positions), per bucket
         self._batches: list[_Order] = []  # each bucket's batches, in shuffled order
         self._n_pos = self._n_rows = 0
 
@@ -443,7 +450,7 @@ class _Cut:
             cap_end = np.minimum(np.arange(len(fill)) + max(1, s.tokens_per_batch // s.pack_row_tokens()),
                                  np.searchsorted(wid_rows, wid_rows, side="right"))  # rows per batch, window end
         else:  # one sample per row: each window ascending by length (stable in the shuffled order)
-            order = np.argsort(wid * (int(lens.max()) + 1) + lens, kind="stable")
+            order = _sort_within_windows(lens, wid)
             pos, fill, wid_rows = pos[order], lens[order], wid[order]
             row_starts = np.arange(len(pos) + 1, dtype=np.int64)
             bp = s.block_bound(fill)
@@ -456,7 +463,7 @@ class _Cut:
                          np.add.reduceat(fill, starts), np.add.reduceat(bp, starts))
         self._batches.append(batches[perm])
         self._pos.append(pos)
-        self._rows.append((row_starts[:-1] + self._n_pos, fill, bp))
+        self._rows.append(row_starts[:-1] + self._n_pos)
         self._n_pos += len(pos)
         self._n_rows += len(fill)
 
@@ -512,8 +519,7 @@ class _Cut:
         (i + u_b) / n) and return them in that order."""
         cat = (lambda a: np.concatenate(a)) if self._pos else (lambda a: np.zeros(0, np.int64))
         self.positions = cat(self._pos)  # [S] index dtype
-        self.row_lo, self.row_fill, self.row_bp = (cat([r[k] for r in self._rows]).astype(np.int64, copy=False)
-                                                   for k in range(3))
+        self.row_lo = cat(self._rows).astype(np.int64, copy=False)
         self.row_hi = np.append(self.row_lo[1:], self._n_pos)
         per_bucket = sorted(self._batches, key=lambda o: int(o.bucket[0]))
         keys, i = [], []
@@ -542,10 +548,6 @@ class _Cut:
                 n = len(self.row_lo)
                 self.row_lo = np.append(self.row_lo, [lo, half])
                 self.row_hi = np.append(self.row_hi, [half, hi])
-                for a, b in ((lo, half), (half, hi)):
-                    lens = self.lengths[self.positions[a:b]]
-                    self.row_fill = np.append(self.row_fill, lens.sum())
-                    self.row_bp = np.append(self.row_bp, self.s.block_bound(lens).sum())
                 halves = [(n, n + 1), (n + 1, n + 2)]
             o.replace(i, [self._batch(b0, b1, int(o.bucket[i])) for b0, b1 in halves])
             n_split += 1
@@ -553,9 +555,11 @@ class _Cut:
 
     def _batch(self, r0: int, r1: int, bucket: int) -> _Order:
         """One batch of rows [r0, r1)."""
-        fill = self.row_fill[r0:r1]
+        lens = [self.lengths[self.positions[a:b]] for a, b in zip(self.row_lo[r0:r1], self.row_hi[r0:r1], strict=True)]
+        fill = np.array([int(x.sum()) for x in lens])
+        bp = sum(int(self.s.block_bound(x).sum()) for x in lens)
         return _Order(np.array([bucket]), np.array([r0]), np.array([r1]), fill.max(keepdims=True),
-                      fill.sum(keepdims=True), self.row_bp[r0:r1].sum(keepdims=True))
+                      fill.sum(keepdims=True), np.array([bp]))
 
     def _samples(self, o: _Order) -> np.ndarray:
         """Samples of each batch: a batch's rows cover one contiguous range of ``positions``."""
@@ -564,12 +568,16 @@ class _Cut:
     def epoch_plan(self, o: _Order, *, epoch: int, window: int, rank: int, first_index: int, stats: PlanStats,
                    identity: str) -> EpochPlan:
         counts = o.r1 - o.r0
-        rows = _ranges(o.r0, counts)
         dt = _index_dtype(max(len(self.lengths), len(self.positions) + 1))
         positions = self.positions[_ranges(self.row_lo[o.r0], self._samples(o))].astype(dt)
+        if self.s.packing:
+            rows = _ranges(o.r0, counts)
+            row_starts = np.concatenate([[0], np.cumsum(self.row_hi[rows] - self.row_lo[rows])]).astype(dt)
+        else:  # one sample per row (a split of a padded batch splits its rows, never a row)
+            row_starts = np.arange(len(positions) + 1, dtype=dt)
         return EpochPlan(
             epoch=epoch, window=window, rank=rank, first_index=first_index, positions=positions,
-            row_starts=np.concatenate([[0], np.cumsum(self.row_hi[rows] - self.row_lo[rows])]).astype(dt),
+            row_starts=row_starts,
             batch_rows=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
             bucket=o.bucket, seq_len=o.seq_len, n_tokens=o.n_tokens, block_positions=o.block_positions,
             seed=batch_seeds(self.s.seed, epoch, first_index + np.arange(len(counts)), rank),
