@@ -240,8 +240,8 @@ class EpochPlan:
         starts = self.row_starts[r0:r1 + 1].astype(np.int64)
         positions = self.positions[starts[0]:starts[-1]].astype(np.int64)
         return PlannedBatch(bucket=int(self.bucket[k]), positions=positions, row_splits=starts - starts[0],
-                            seq_len=int(self.seq_len[k]),
-                            n_tokens=int(self.n_tokens[k]), index=self.first_index + k, seed=int(self.seed[k]),
+                            seq_len=int(self.seq_len[k]), n_tokens=int(self.n_tokens[k]),
+                            index=self.first_index + k, seed=int(self.seed[k]),
                             block_positions=int(self.block_positions[k]))
 
 
@@ -422,8 +422,7 @@ def _cut_starts(cap_end: np.ndarray, weight: np.ndarray, budget: int | None) -> 
 
 class _Cut:
     """The batches of one epoch, as they are formed bucket by bucket. Rows are ranges of ``positions``
-    (``row_lo``/``row_hi``); a batch is a
-    range ``[r0, r1)`` of rows."""
+    (``row_lo``/``row_hi``); a batch is a range ``[r0, r1)`` of rows, whose positions are contiguous."""
 
     def __init__(self, lengths: np.ndarray, s: PlanSettings):
         self.lengths, self.s = lengths, s
@@ -469,8 +468,8 @@ class _Cut:
 
     def _pack(self, pos: np.ndarray, lens: np.ndarray, wid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Packed rows per window: longest first onto the emptiest row (rows pre-opened for the window's
-        tokens and block positions); a sample that would break either budget of the emptiest row opens a new one.
-        Returns (row starts [R+1] into the reordered samples, that order [N], window of each row [R]),
+        tokens and block positions); a sample that would break either budget of the emptiest row opens a new
+        one. Returns (row starts [R+1] into the reordered samples, that order [N], window of each row [R]),
         rows ordered by fill within each window."""
         cap, s = self.s.pack_row_tokens(), self.s
         cap_bp = s.max_block_positions if s.max_block_positions is not None else np.iinfo(np.int64).max
