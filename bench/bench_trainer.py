@@ -88,7 +88,8 @@ class InMemoryLoader:
 
 def collect_batches(cfg, cache, n: int) -> list:
     # batches stay on the host; each loop moves them
-    loader = build_loader(cfg.loader, cache, Distributed(), seed=cfg.train.seed, epochs=cfg.train.epochs)
+    loader = build_loader(cfg.loader, cache, Distributed(), seed=cfg.train.seed, epochs=cfg.train.epochs,
+                          num_anchors=cfg.train.num_anchors, block_size=cfg.model.block_size)
     out = []
     for b in batch_stream(loader, cfg.train.epochs):
         out.append(b)
@@ -103,7 +104,7 @@ def full_step_times(cfg, url: str, run_dir: Path, batches: list | None) -> tuple
     ``batches``: use an in-memory loader over them."""
     original = loop_mod.build_loader
     if batches is not None:
-        loop_mod.build_loader = lambda loader_cfg, cache, d, seed, epochs: InMemoryLoader(batches, epochs)
+        loop_mod.build_loader = lambda loader_cfg, cache, d, *, seed, epochs, **_: InMemoryLoader(batches, epochs)
     try:
         train(cfg, url, run_dir)
     finally:

@@ -60,12 +60,14 @@ def build_scheduler(train_cfg: TrainConfig, optimizer: torch.optim.Optimizer, to
     )
 
 
-def build_loader(loader_cfg: LoaderConfig, cache: Any, d: Distributed, *, seed: int, epochs: int) -> Any:
-    """The streaming loader over this rank's slice of the plan (batches land on the training device)."""
+def build_loader(loader_cfg: LoaderConfig, cache: Any, d: Distributed, *, seed: int, epochs: int,
+                 num_anchors: int, block_size: int) -> Any:
+    """The streaming loader over this rank's slice of the plan (batches land on the training device).
+    ``num_anchors`` (train.num_anchors) and ``block_size`` (model.block_size) size the plan's block budget."""
     from .loader import StreamingLoader
 
-    return StreamingLoader(cache, loader_cfg, seed=seed, rank=d.rank, world_size=d.world_size, device=d.device,
-                           max_epochs=epochs)
+    return StreamingLoader(cache, loader_cfg, seed=seed, num_anchors=num_anchors, block_size=block_size,
+                           rank=d.rank, world_size=d.world_size, device=d.device, max_epochs=epochs)
 
 
 def batch_stream(loader: Any, epochs: int) -> Iterator[Batch]:

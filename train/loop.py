@@ -108,7 +108,8 @@ def _train(cfg: PipelineConfig, cache: Any, run_dir: Path, d: Distributed) -> Tr
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cache, d.device)
     optimizer = build_optimizer(cfg.train, model)
-    loader = build_loader(cfg.loader, cache, d, seed=cfg.train.seed, epochs=cfg.train.epochs)
+    loader = build_loader(cfg.loader, cache, d, seed=cfg.train.seed, epochs=cfg.train.epochs,
+                          num_anchors=cfg.train.num_anchors, block_size=cfg.model.block_size)
     total_steps = total_steps_for(cfg.train, loader.epoch_lengths(cfg.train.epochs))
     scheduler = build_scheduler(cfg.train, optimizer, total_steps)
     guard = SpikeGuard(cfg.guards)
