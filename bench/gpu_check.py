@@ -274,7 +274,8 @@ def loader_feed(check: Check) -> dict[str, Any]:
         if check.dry:
             lcfg = lcfg.model_copy(update={"tokens_per_batch": 1024, "num_readers": 2, "max_buffer_bytes": 1 << 26})
         d = Distributed(device=check.device)
-        loader = build_loader(lcfg, cache, d, seed=0, epochs=1)
+        loader = build_loader(lcfg, cache, d, seed=0, epochs=1, num_anchors=tcfg.num_anchors,
+                              block_size=dcfg.block_size)
         waits, steps, depths = [], [], []
         it = iter(loader)
         t_end = time.monotonic() + (20 if check.dry else min(45, check.left() - 30))

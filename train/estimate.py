@@ -343,23 +343,20 @@ def worst_case_figures(cfg: Any, max_length: int) -> PlanFigures:
 
 
 def plan_figures(cfg: Any, cache: Any) -> PlanFigures:
-    """Epoch 0's plan over the cache (index arrays only; no feature is read)."""
+    """Epoch 0's plan over the cache, as the trainer's loader would make it (index arrays only; no feature
+    is read)."""
     import numpy as np
 
-    from .plan import PlanSettings, build_plan
+    from .plan import plan_from_index
 
-    lc, B, na = cfg.loader, cfg.model.block_size, cfg.train.num_anchors
     idx = cache.index()
-    settings = PlanSettings(seed=cfg.train.seed, tokens_per_batch=lc.tokens_per_batch, packing=lc.packing,
-                            row_tokens=lc.pack_row_tokens, sort_window=lc.sort_window,
-                            holdout_fraction=lc.holdout_fraction)
-    plan = build_plan(idx.sample_ids, idx.lengths, idx.buckets, settings, epoch=0)
-    lengths = idx.lengths.astype(np.int64)
-    blocks = np.minimum(na, lengths - 1) * B
-    bp = np.array([int(blocks[b.positions].sum()) for b in plan.batches], dtype=np.int64)
-    ctx = np.array([b.num_rows * b.seq_len for b in plan.batches], dtype=np.int64)
-    return PlanFigures("plan", float(lengths.mean()), int(np.median(bp)), int(bp.max()), int(np.median(ctx)),
-                       int(ctx.max()), len(plan), int(plan.stats.n_tokens))
+    plan = plan_from_index(idx, cfg.loader, seed=cfg.train.seed, num_anchors=cfg.train.num_anchors,
+                           block_size=cfg.model.block_size)
+    rows = np.diff(plan.batch_rows)
+    ctx = rows * plan.seq_len  # context tokens per step: rows x padded length
+    bp = plan.block_positions
+    return PlanFigures("plan", float(idx.lengths.mean()) if len(idx) else 0.0, int(np.median(bp)), int(bp.max()),
+                       int(np.median(ctx)), int(ctx.max()), len(plan), int(plan.stats.n_tokens))
 
 
 @dataclass
