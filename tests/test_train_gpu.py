@@ -32,4 +32,4 @@ def test_train_on_gpu_with_bf16_autocast_and_resume(tmp_path):
     train(cfg(9), cache, tmp_path / "run")
     recs = read_metrics(tmp_path / "run")
     assert [r["step"] for r in recs] == list(range(1, 10))
-    assert all(math.isfinite(r["loss"]) for r in recs)
+    assert all(math.isfinite(r["train/loss"]) for r in recs)

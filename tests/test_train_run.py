@@ -59,7 +59,7 @@ def _run(cache: str, run: Path, *overrides: str, expect: int = 0, **env: str) ->
 
 
 def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run)}
+    return {r["step"]: r["train/loss"] for r in read_metrics(run)}
 
 
 def _tb_steps(run: Path, tag: str = "train/loss") -> list[int]:
@@ -137,11 +137,12 @@ def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path):
          "guards.min_history=4", DFLASH_TEST_FAULTS='{"nan_steps": [5], "spike_steps": [9]}')
     recs = {r["step"]: r for r in read_metrics(run)}
     assert sorted(recs) == list(range(1, 11))
-    assert recs[5]["skipped"] == 1 and recs[5]["skip_reason"] == "nonfinite_loss" and recs[5]["loss"] == "nan"
-    assert recs[9]["skipped"] == 1 and recs[9]["skip_reason"] == "grad_norm_spike"
-    assert recs[9]["loss"] > 1e5 and recs[9]["skipped_sample_ids"]
-    assert [s for s, r in recs.items() if r["skipped"]] == [5, 9]
-    assert recs[10]["skipped_total"] == 2
+    assert recs[5]["train/skipped"] == 1 and recs[5]["train/skip_reason"] == "nonfinite_loss"
+    assert recs[5]["train/loss"] == "nan"
+    assert recs[9]["train/skipped"] == 1 and recs[9]["train/skip_reason"] == "grad_norm_spike"
+    assert recs[9]["train/loss"] > 1e5 and recs[9]["train/skipped_sample_ids"]
+    assert [s for s, r in recs.items() if r["train/skipped"]] == [5, 9]
+    assert recs[10]["train/skipped_total"] == 2
     ckpts = dict(list_checkpoints(run))
     for bad in (5, 9):
         before, after = read_checkpoint(ckpts[bad - 1]), read_checkpoint(ckpts[bad])
@@ -216,8 +217,8 @@ def test_ddp_two_gloo_processes_match_single_process(cache, tmp_path):
     a, b = read_metrics(single), read_metrics(ddp)
     assert [r["step"] for r in b] == [1, 2, 3]
     for ra, rb in zip(a, b, strict=True):
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
-        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+        assert rb["train/loss"] == pytest.approx(ra["train/loss"], rel=1e-5)
+        assert rb["train/grad_norm"] == pytest.approx(ra["train/grad_norm"], rel=1e-4)
     # one checkpoint, written once, with weights matching the single-process run
     wa, wb = read_checkpoint(find_latest(single)).model, read_checkpoint(find_latest(ddp)).model
     for k in wa:
@@ -231,7 +232,7 @@ def test_periodic_heldout_eval_is_logged_and_keeps_resume_exact(cache, tmp_path)
     _run(cache, straight, *every)
     with_eval = tmp_path / "with_eval"
     _run(cache, with_eval, *every, "eval.every_steps=2")
-    records = {r["step"]: r for r in read_metrics(with_eval)}
+    records = {r["step"]: r for r in read_metrics(with_eval, kind="eval")}
     assert sorted(s for s, r in records.items() if "eval/acceptance_length" in r) == [2, 4, 6]
     assert all(records[s]["eval/n_blocks"] > 0 and records[s]["eval/acceptance_length"] >= 1.0 for s in (2, 4, 6))
     assert "eval/acceptance_length" in _tb_tags(with_eval)

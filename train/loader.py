@@ -21,8 +21,9 @@ window of the same epoch (batch indices continue). With nothing new they wait, l
 status line, until new parts come, the extraction is marked finished (``extraction_done``),
 or ``loader.live_timeout_s`` passes without a new part; then the epoch ends.
 
-With ``world_size > 1`` in live mode every rank must plan the same windows: pass
-``agree_parts`` (for example rank 0's list broadcast with ``torch.distributed``).
+With ``world_size > 1`` in live mode every rank must plan the same windows: pass ``agree_parts``
+(the trainer passes :meth:`~dflash_cache.runtime.dist.Distributed.decided_by_main`): rank 0 alone polls
+the cache and decides each window (or the end of the epoch), the other ranks take its decision.
 
 Readers decode each sample's features straight into its place in the batch tensor (no per-sample
 tensors, no second copy), and batches live in reusable host buffers (pinned with a GPU): a buffer is
@@ -66,6 +67,8 @@ class SampleLike(Protocol):
 
 
 ReadFn = Callable[[Sequence[int]], Sequence[SampleLike]]
+# (key, decide, stop) -> the value of rank 0's decide() for that key, on every rank (None once stop is set)
+Agree = Callable[[str, Callable[[], Any], threading.Event], Any]
 
 
 @dataclass
@@ -290,7 +293,7 @@ class StreamingLoader:
         max_epochs: int | None = None,
         read_fn: ReadFn | None = None,
         extraction_done: Callable[[], bool] | None = None,
-        agree_parts: Callable[[list[str]], list[str]] | None = None,
+        agree_parts: Agree | None = None,
     ):
         self.cache, self.cfg = cache, cfg
         self.rank, self.world_size = rank, world_size
@@ -304,10 +307,10 @@ class StreamingLoader:
         if self._readers is not None and cfg.num_readers > 1:
             self._decoders = concurrent.futures.ThreadPoolExecutor(cfg.num_readers, thread_name_prefix="dflash-decode")
         self._extraction_done = extraction_done or (lambda: extraction_finished(cache))
-        self._agree = agree_parts or (lambda keys: keys)
+        self._agree: Agree = agree_parts or (lambda key, decide, stop: decide())
         if cfg.live and world_size > 1 and agree_parts is None:
             raise ConfigError("loader.live with several ranks needs agree_parts, so that every rank plans the "
-                              "same windows (e.g. broadcast rank 0's part list); or set loader.live = false")
+                              "same windows (e.g. Distributed.decided_by_main); or set loader.live = false")
         self.settings = PlanSettings(seed=seed, world_size=world_size, tokens_per_batch=cfg.tokens_per_batch,
                                      packing=cfg.packing, row_tokens=cfg.pack_row_tokens,
                                      sort_window=cfg.sort_window, holdout_fraction=cfg.holdout_fraction)
@@ -469,12 +472,20 @@ class StreamingLoader:
     def _next_window_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
         if not self.cfg.live:
             return self._static_parts if not windows else None
+        # one decision per window, by rank 0 (it alone watches the cache): every rank plans the same parts
+        return self._agree(f"live/e{epoch}/w{len(windows)}", lambda: self._poll_new_parts(epoch, windows, stop),
+                           stop)
+
+    def _poll_new_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
+        """The parts committed since the last window; None: the epoch ends (extraction finished, timeout)."""
         seen = {k for w in windows for k in w}
         waited_since, last_log = time.monotonic(), 0.0
         while True:
-            new = self._agree([k for k in self._committed_keys(require=False) if k not in seen])
+            new = [k for k in self._committed_keys(require=False) if k not in seen]
             if new:
                 self.status = "reading"
+                log.info("live: epoch %d window %d plans %d newly committed part(s) (%d in all)", epoch,
+                         len(windows), len(new), len(seen) + len(new))
                 return sorted(new)
             if self._extraction_done():
                 if windows:
