@@ -7,6 +7,7 @@ random moments during saves, injected NaN / spike (bitwise unchanged state), too
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -83,7 +84,9 @@ def test_full_run_artifacts_then_sigkill_resume_is_bitwise_exact(cache, tmp_path
     _run(cache, straight, "train.max_steps=16", "checkpoint.every_steps=4")
     ref = _losses(straight)
     assert sorted(ref) == list(range(1, 17))
-    assert sorted(p.name for p in straight.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "tensorboard"]
+    assert sorted(p.name for p in straight.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "tensorboard",
+                                                          "trainer.lock"]
+    assert json.loads((straight / "trainer.lock").read_text())["released"] is True
     assert [s for s, _ in list_checkpoints(straight)] == [12, 16]  # keep_last = 2
     latest = read_checkpoint(find_latest(straight))
     assert latest.step == 16 and latest.config["train"]["max_steps"] == 16
@@ -110,7 +113,8 @@ def test_full_run_artifacts_then_sigkill_resume_is_bitwise_exact(cache, tmp_path
 def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(cache, tmp_path):
     run = tmp_path / "run"
     rng = random.Random(0)
-    overrides = ("train.max_steps=1000", "checkpoint.every_steps=2", "checkpoint.keep_last=2")
+    overrides = ("train.max_steps=1000", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+                 "checkpoint.allow_config_change=true")  # the first run below is shorter
     _run(cache, run, "train.max_steps=2", *overrides[1:])  # one committed checkpoint to fall back on
     kills_mid_save = 0
     for _ in range(10):
@@ -179,7 +183,7 @@ def test_sigterm_saves_and_rerun_resumes(cache, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     last = max(_losses(run))
     assert find_latest(run).name == f"step-{last:08d}" and "Rerun the same command" in err
-    _run(cache, run, "train.max_steps=" + str(last + 2), "checkpoint.every_steps=500")
+    _run(cache, run, "train.max_steps=" + str(last + 2), "checkpoint.every_steps=500", "checkpoint.allow_config_change=true")
     assert [r["step"] for r in read_metrics(run)] == list(range(1, last + 3))
 
 
@@ -195,21 +199,24 @@ def test_resume_on_another_cache_is_refused_unless_overridden(cache, tmp_path):
     assert "codec" in proc.stderr and "ignore_fingerprint_mismatch" in proc.stderr
     proc = _run(cache, run, "train.max_steps=4", "checkpoint.resume=false", expect=2)
     assert "already holds checkpoints" in proc.stderr
-    _run(other, run, "train.max_steps=4", "checkpoint.ignore_fingerprint_mismatch=true")
+    _run(other, run, "train.max_steps=4", "checkpoint.ignore_fingerprint_mismatch=true",
+         "checkpoint.allow_config_change=true")
     assert max(_losses(run)) == 4
 
 
 def test_ddp_two_gloo_processes_match_single_process(cache, tmp_path):
     common = ("train.num_anchors=512",)  # every eligible anchor: no dependence on per-rank batch seeds
     single = tmp_path / "single"
+    extend = "checkpoint.allow_config_change=true"  # the resumed part raises max_steps
     for steps in (2, 3):  # the same 2 + resumed 1 steps as the DDP run below (max_steps shapes the schedule)
-        _run(cache, single, *common, "train.grad_accum=2", f"train.max_steps={steps}", "checkpoint.every_steps=2")
+        _run(cache, single, *common, "train.grad_accum=2", f"train.max_steps={steps}", "checkpoint.every_steps=2",
+             extend)
     ddp = tmp_path / "ddp"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                 str(29500 + os.getpid() % 1000)]
     # 2 steps with a checkpoint, then the same command resumed to step 3: each rank its own loader state
     for steps in (2, 3):
-        args = _cmd(cache, ddp, *common, f"train.max_steps={steps}", "checkpoint.every_steps=2")[1:]
+        args = _cmd(cache, ddp, *common, f"train.max_steps={steps}", "checkpoint.every_steps=2", extend)[1:]
         proc = subprocess.run([*torchrun, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert [len(x) for x in read_checkpoint(find_latest(ddp)).state["loader"]] == [len(
