@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -141,7 +142,7 @@ class WandbSink:
             raise ConfigError("metrics.wandb = true needs the wandb package: pip install 'dflash-pipeline[wandb]' "
                               "(or pip install wandb); or set metrics.wandb = false") from None
         id_file = run_dir / WANDB_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)  # W&B ids: [a-z0-9]
         if not id_file.is_file():
             try:
                 id_file.write_text(run_id + "\n")  # before init: a crash during init still resumes this id

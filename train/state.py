@@ -67,7 +67,8 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, 
     out: dict[str, list[str]] = {"result": [], "plan": [], "free": []}
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
-            out[resume_rule(key)].append(f"{key}: {old.get(key, '<absent>')} -> {new.get(key, '<absent>')}")
+            was, now = (json.dumps(c[key]) if key in c else "<absent>" for c in (old, new))
+            out[resume_rule(key)].append(f"{key}: {was} -> {now}")
     return out
 
 
