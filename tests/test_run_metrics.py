@@ -214,7 +214,6 @@ def _wandb_run(run_file: Path) -> tuple[str, dict, dict[int, dict[str, float]]]:
 
 
 def test_wandb_offline_logs_the_same_scalars_and_resume_continues_the_run(cache, tmp_path):
-    pytest.importorskip("wandb")
     run = tmp_path / "run"
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     common = ("metrics.wandb=true", "metrics.wandb_project=dflash-test", "checkpoint.every_steps=2",

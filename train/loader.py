@@ -49,7 +49,7 @@ from dflash_cache.reader import PartReaderCache
 from dflash_cache.runtime.schema import LoaderConfig
 
 from .batch import Batch, BatchBufferPool, carve_batch, host_buffer, padded_nbytes
-from .plan import EpochPlan, PlannedBatch, PlanSettings, build_plan
+from .plan import EpochPlan, PlannedBatch, PlanSettings, build_plan, holdout_mask
 
 log = logging.getLogger(__name__)
 
@@ -477,25 +477,35 @@ class StreamingLoader:
                            stop)
 
     def _poll_new_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
-        """The parts committed since the last window; None: the epoch ends (extraction finished, timeout)."""
+        """The parts committed since the last window, once they give every rank a batch; None: the epoch ends
+        (extraction finished, or ``loader.live_timeout_s`` without a new part)."""
         seen = {k for w in windows for k in w}
-        waited_since, last_log = time.monotonic(), 0.0
+        waited_since, last_log, n_new = time.monotonic(), 0.0, 0
         while True:
             new = [k for k in self._committed_keys(require=False) if k not in seen]
-            if new:
+            if len(new) > n_new:  # a part arrived: the idle clock restarts
+                waited_since, n_new = time.monotonic(), len(new)
+            trainable = self._training_samples(new) if new else 0
+            if trainable >= self.world_size:  # (a part of a few, or only held-out, samples waits for more)
                 self.status = "reading"
                 log.info("live: epoch %d window %d plans %d newly committed part(s) (%d in all)", epoch,
                          len(windows), len(new), len(seen) + len(new))
                 return sorted(new)
-            if self._extraction_done():
-                if windows:
-                    return None
-                raise CacheError(f"the cache at {self.cache.url} has no committed parts and its extraction is "
-                                 "marked finished; nothing to train on")
+            done = self._extraction_done()
             idle = time.monotonic() - waited_since
-            if self.cfg.live_timeout_s is not None and idle >= self.cfg.live_timeout_s:
-                log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d parts",
-                            idle, epoch, len(seen))
+            timed_out = self.cfg.live_timeout_s is not None and idle >= self.cfg.live_timeout_s
+            if done and not windows:
+                raise CacheError(f"the cache at {self.cache.url} has {trainable} training sample(s) for "
+                                 f"{self.world_size} rank(s) and its extraction is marked finished; nothing to "
+                                 "train on (extract more data or lower loader.holdout_fraction)")
+            if done or timed_out:
+                if new:
+                    log.warning("live: %d newly committed part(s) hold %d training sample(s), too few to give each "
+                                "of %d rank(s) a batch: epoch %d leaves them out (the next epoch plans them)",
+                                len(new), trainable, self.world_size, epoch)
+                if timed_out and not done:
+                    log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d "
+                                "parts", idle, epoch, len(seen))
                 return None
             self.status = f"waiting for new parts ({len(seen)} planned, extraction running)"
             if time.monotonic() - last_log >= max(30.0, self.cfg.live_poll_s) or last_log == 0.0:
@@ -504,6 +514,17 @@ class StreamingLoader:
                 self.counters.live_waits += 1
             if stop.wait(self.cfg.live_poll_s):
                 return None
+
+    def _training_samples(self, parts: list[str]) -> int:
+        """Samples of ``parts`` a plan would train on (held-out ones left out)."""
+        idx = self._index_with(parts)
+        if not len(idx):
+            return 0
+        keys = np.array([p.key for p in idx.parts], dtype=object)
+        ids = idx.sample_ids[np.isin(keys[idx.part], np.array(parts, dtype=object))]
+        if self.settings.holdout_fraction > 0:
+            ids = ids[~holdout_mask(np.asarray(ids, dtype=np.int64), self.settings.holdout_fraction)]
+        return len(ids)
 
     # ---------------------------------------------------------------- reading
 
