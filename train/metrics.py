@@ -104,8 +104,10 @@ class ScalarSink(Protocol):
 
 
 class TensorBoardSink:
-    """All scalars of a record in one event: one Summary with many values, ~10x cheaper than ``add_scalar``
-    each (bench/bench_metrics.py). Written through torch's public ``FileWriter``."""
+    """All scalars of a record in one event: one Summary with many values, written through torch's public
+    ``FileWriter``. bench/bench_metrics.py, 41 scalars per step: 0.54 ms per step, the same as the private
+    ``SummaryWriter._get_file_writer()`` path used before (0.52 ms; same code underneath), vs 4.4 ms with
+    ``add_scalar`` for each (2 vCPU, load average 11)."""
 
     def __init__(self, log_dir: Path, purge_step: int | None) -> None:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
@@ -184,6 +186,10 @@ class MetricLogger:
         self._path = self.run_dir / METRICS_FILE
         if not enabled:
             return
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise write_error(self.run_dir, err, "create") from None
         for rec in truncate_metrics(self.run_dir, resume_step):
             if rec.get("kind", "train") == "train":
                 self._push_windows(rec)
