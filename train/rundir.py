@@ -10,10 +10,11 @@ can be written, and takes ``RUN/trainer.lock``:
 
 Shared filesystems: ``flock`` is coherent across hosts on NFS (Linux maps it to NFS byte-range locks)
 and on most cluster filesystems, but some mount it node-local (Lustre ``-o localflock``) or not at all.
-So a record naming another host whose heartbeat is younger than ``STALE_AFTER_S`` is trusted over a
-granted ``flock``: the second trainer watches it until it either advances (the holder is alive: refused)
-or goes stale (the holder's node died: taken over, logged). Where ``flock`` is unsupported, a record of
-this host is checked by PID instead.
+So a record naming another host, not released, is trusted over a granted ``flock``: the second trainer
+watches it for ``STALE_AFTER_S`` seconds of its own clock (hosts' clocks differ); if the heartbeat
+advances, the holder is alive (refused), if not, its node is gone (taken over, logged). A record whose
+heartbeat is far older than that by any plausible clock is taken over at once. Where ``flock`` is
+unsupported, a record of this host is checked by PID instead.
 
 Everything a trainer writes into the run dir goes through :func:`write_error` when the operating system
 refuses it (read-only, permissions, no space), so the user sees the path and what to do, not a traceback.
@@ -160,20 +161,21 @@ class RunDirLock:
                 raise self._refusal(prev, "is running")
             log.warning("%s: taking over the lock of %s, which is no longer running", self.path, prev.describe())
             return
-        # another host: a granted flock may be node-local; believe the heartbeat
-        deadline = time.time() + self.stale_after_s
-        last = prev.heartbeat_unix
-        while time.time() - last < self.stale_after_s:
-            log.info("%s names %s with a heartbeat %.0f s ago; waiting up to %.0f s to see whether it is alive",
-                     self.path, prev.describe(), time.time() - last, deadline - time.time())
-            time.sleep(min(self.heartbeat_s, max(0.0, last + self.stale_after_s - time.time())) + 0.01)
-            now_rec = self._read()
-            if now_rec is None or now_rec.released:
-                return
-            if now_rec.heartbeat_unix > last:
-                raise self._refusal(now_rec, "is alive (its heartbeat advances)")
-        log.warning("%s: taking over the lock of %s: no heartbeat for %.0f s", self.path, prev.describe(),
-                    time.time() - last)
+        # another host: a granted flock may be node-local, so watch the heartbeat. Its clock may differ from
+        # ours: only a record far older than the threshold is judged by its timestamp; otherwise it must stay
+        # unchanged for stale_after_s of our own time
+        if time.time() - prev.heartbeat_unix < 10 * self.stale_after_s:
+            log.info("%s names %s with a heartbeat %.0f s ago: watching it for %.0f s to see whether it is alive",
+                     self.path, prev.describe(), time.time() - prev.heartbeat_unix, self.stale_after_s)
+            until = time.monotonic() + self.stale_after_s
+            while time.monotonic() < until:
+                time.sleep(min(self.heartbeat_s, max(0.0, until - time.monotonic())) + 0.01)
+                now = self._read()
+                if now is None or now.released:
+                    return
+                if now.heartbeat_unix != prev.heartbeat_unix:
+                    raise self._refusal(now, "is alive (its heartbeat advances)")
+        log.warning("%s: taking over the lock of %s: its heartbeat stopped", self.path, prev.describe())
 
     def _refusal(self, holder: Holder | None, state: str) -> RunDirError:
         who = holder.describe() if holder else "another process (its record is unreadable)"
