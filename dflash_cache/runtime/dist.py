@@ -150,8 +150,12 @@ class Distributed:
         Safe from any thread, unlike :meth:`broadcast_object`: the value goes through the rendezvous store,
         not a collective, so it cannot interleave with the training thread's collectives, and a rank that is
         told to ``stop`` while waiting returns None instead of blocking in a collective its peers left."""
-        if not self.enabled or self.store is None:
+        if not self.enabled:
             return decide()
+        if self.store is None:
+            raise ConfigError("ranks can agree only through the rendezvous store of Distributed.start(), but the "
+                              "process group was initialised elsewhere; start the job with torchrun or "
+                              "accelerate launch and let the command join the group")
         name = f"dflash/decided/{key}"
         if self.is_main:
             value = decide()
