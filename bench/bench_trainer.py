@@ -5,7 +5,7 @@ primary figure, since wall time on a shared 2-core machine swings by 2-5x with o
 
 The full trainer is ``train.loop.train`` (loader, guards, metrics to TensorBoard + JSONL every step,
 checkpoints every ``--ckpt-every`` steps, progress bar off); its per-step wall time comes from
-``metrics.jsonl`` (``step_time_s``). The bare loop runs the same model config on the batches the
+``metrics.jsonl`` (``train/step_time_s``: training only, evaluation and checkpoint time excluded). The bare loop runs the same model config on the batches the
 same loader yields, already in memory. "loop" is the trainer fed those in-memory batches (its own
 overhead: guards, metrics, checkpoints); "full" uses the streaming loader. Goal: <= 1.05.
 
@@ -110,8 +110,8 @@ def full_step_times(cfg, url: str, run_dir: Path, batches: list | None) -> tuple
     finally:
         loop_mod.build_loader = original
     recs = read_metrics(run_dir)
-    return ([r["step_time_s"] for r in recs][WARMUP:], [r["perf/step_cpu_s"] for r in recs][WARMUP:],
-            [r["ckpt_blocking_ms"] for r in recs if "ckpt_blocking_ms" in r])
+    return ([r["train/step_time_s"] for r in recs][WARMUP:], [r["perf/step_cpu_s"] for r in recs][WARMUP:],
+            [r["ckpt/blocking_ms"] for r in read_metrics(run_dir, kind="save")])
 
 
 def main() -> None:

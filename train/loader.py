@@ -22,8 +22,9 @@ window of the same epoch (batch indices continue). With nothing new they wait, l
 status line, until new parts come, the extraction is marked finished (``extraction_done``),
 or ``loader.live_timeout_s`` passes without a new part; then the epoch ends.
 
-With ``world_size > 1`` in live mode every rank must plan the same windows: pass
-``agree_parts`` (for example rank 0's list broadcast with ``torch.distributed``).
+With ``world_size > 1`` in live mode every rank must plan the same windows: pass ``agree_parts``
+(the trainer passes :meth:`~dflash_cache.runtime.dist.Distributed.decided_by_main`): rank 0 alone polls
+the cache and decides each window (or the end of the epoch), the other ranks take its decision.
 
 Corrupt parts (``loader.on_corrupt``): with "error" the first corrupt read stops the run; with
 "skip" the part is quarantined for the rest of the run (:meth:`StreamingLoader._produce`), its
@@ -51,7 +52,7 @@ from dflash_cache.runtime.schema import LoaderConfig
 
 from .assemble import BatchAssembler, ReadFn, SampleTable, batch_nbytes
 from .batch import Batch, BatchBufferPool, padded_nbytes
-from .plan import EpochPlan, PlannedBatch, Planner, PlanSettings
+from .plan import EpochPlan, PlannedBatch, Planner, PlanSettings, holdout_mask
 from .prefetch import Delivery, Prefetcher
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,10 @@ def extraction_finished(cache: Any) -> bool:
     return True
 
 
+# (key, decide, stop) -> the value of rank 0's decide() for that key, on every rank (None once stop is set)
+Agree = Callable[[str, Callable[[], Any], threading.Event], Any]
+
+
 class StreamingLoader:
     """Iterate it once per epoch: ``for batch in loader`` yields the rest of the current epoch.
 
@@ -163,17 +168,17 @@ class StreamingLoader:
         max_epochs: int | None = None,
         read_fn: ReadFn | None = None,
         extraction_done: Callable[[], bool] | None = None,
-        agree_parts: Callable[[list[str]], list[str]] | None = None,
+        agree_parts: Agree | None = None,
     ):
         self.cache, self.cfg = cache, cfg
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device) if device is not None else None
         self.max_epochs = max_epochs
         self._extraction_done = extraction_done or (lambda: extraction_finished(cache))
-        self._agree = agree_parts or (lambda keys: keys)
+        self._agree: Agree = agree_parts or (lambda key, decide, stop: decide())
         if cfg.live and world_size > 1 and agree_parts is None:
             raise ConfigError("loader.live with several ranks needs agree_parts, so that every rank plans the "
-                              "same windows (e.g. broadcast rank 0's part list); or set loader.live = false")
+                              "same windows (e.g. Distributed.decided_by_main); or set loader.live = false")
         self.settings = PlanSettings.from_config(cfg, seed=seed, num_anchors=num_anchors, block_size=block_size,
                                                  world_size=world_size)
         self.feature_dim = int(cache.spec.feature_dim)
@@ -349,22 +354,40 @@ class StreamingLoader:
     def _next_window_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
         if not self.cfg.live:
             return self._static_parts if not windows else None
+        # one decision per window, by rank 0 (it alone watches the cache): every rank plans the same parts
+        return self._agree(f"live/e{epoch}/w{len(windows)}", lambda: self._poll_new_parts(epoch, windows, stop),
+                           stop)
+
+    def _poll_new_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
+        """The parts committed since the last window, once they give every rank a batch; None: the epoch ends
+        (extraction finished, or ``loader.live_timeout_s`` without a new part)."""
         seen = {k for w in windows for k in w}
-        waited_since, last_log = time.monotonic(), 0.0
+        waited_since, last_log, n_new = time.monotonic(), 0.0, 0
         while True:
-            new = self._agree([k for k in self._committed_keys(require=False) if k not in seen])
-            if new:
+            new = [k for k in self._committed_keys(require=False) if k not in seen]
+            if len(new) > n_new:  # a part arrived: the idle clock restarts
+                waited_since, n_new = time.monotonic(), len(new)
+            trainable = self._training_samples(new) if new else 0
+            if trainable >= self.world_size:  # (a part of a few, or only held-out, samples waits for more)
                 self.status = "reading"
+                log.info("live: epoch %d window %d plans %d newly committed part(s) (%d in all)", epoch,
+                         len(windows), len(new), len(seen) + len(new))
                 return sorted(new)
-            if self._extraction_done():
-                if windows:
-                    return None
-                raise CacheError(f"the cache at {self.cache.url} has no committed parts and its extraction is "
-                                 "marked finished; nothing to train on")
+            done = self._extraction_done()
             idle = time.monotonic() - waited_since
-            if self.cfg.live_timeout_s is not None and idle >= self.cfg.live_timeout_s:
-                log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d parts",
-                            idle, epoch, len(seen))
+            timed_out = self.cfg.live_timeout_s is not None and idle >= self.cfg.live_timeout_s
+            if done and not windows:
+                raise CacheError(f"the cache at {self.cache.url} has {trainable} training sample(s) for "
+                                 f"{self.world_size} rank(s) and its extraction is marked finished; nothing to "
+                                 "train on (extract more data or lower loader.holdout_fraction)")
+            if done or timed_out:
+                if new:
+                    log.warning("live: %d newly committed part(s) hold %d training sample(s), too few to give each "
+                                "of %d rank(s) a batch: epoch %d leaves them out (the next epoch plans them)",
+                                len(new), trainable, self.world_size, epoch)
+                if timed_out and not done:
+                    log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d "
+                                "parts", idle, epoch, len(seen))
                 return None
             self.status = f"waiting for new parts ({len(seen)} planned, extraction running)"
             if time.monotonic() - last_log >= max(30.0, self.cfg.live_poll_s) or last_log == 0.0:
@@ -373,6 +396,13 @@ class StreamingLoader:
                 self.counters.live_waits += 1
             if stop.wait(self.cfg.live_poll_s):
                 return None
+
+    def _training_samples(self, parts: list[str]) -> int:
+        """Samples of ``parts`` a plan would train on (held-out ones left out)."""
+        ids = select_parts(self._index_with(parts), parts, self.cache.url).sample_ids
+        if self.settings.holdout_fraction > 0:
+            ids = ids[~holdout_mask(np.asarray(ids, dtype=np.int64), self.settings.holdout_fraction)]
+        return len(ids)
 
     # ---------------------------------------------------------------- reading (in the reader threads)
 
