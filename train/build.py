@@ -18,6 +18,7 @@ from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import LoaderConfig, ModelConfig, TrainConfig
 
 from .batch import Batch
+from .objective import DEFAULT_CHUNK_ROWS
 
 
 def build_model(model_cfg: ModelConfig, cache: Any, device: torch.device) -> nn.Module:
@@ -96,21 +97,24 @@ def autocast_context(train_cfg: TrainConfig, device: torch.device):
 class LossModule(nn.Module):
     """Wraps the drafter so DDP sees the whole loss computation as its forward."""
 
-    def __init__(self, drafter: nn.Module, num_anchors: int, gamma: float | None):
+    def __init__(self, drafter: nn.Module, num_anchors: int, gamma: float | None,
+                 chunk_rows: int = DEFAULT_CHUNK_ROWS):
         super().__init__()
         self.drafter = drafter
         self.num_anchors = num_anchors
         self.gamma = gamma
+        self.chunk_rows = chunk_rows  # train.logits_chunk_rows
 
     def forward(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         from .objective import dflash_loss
 
-        out = dflash_loss(self.drafter, batch, num_anchors=self.num_anchors, gamma=self.gamma)
+        out = dflash_loss(self.drafter, batch, num_anchors=self.num_anchors, gamma=self.gamma,
+                          chunk_rows=self.chunk_rows)
         return out.loss, out.metrics
 
 
 def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) -> nn.Module:
-    module: nn.Module = LossModule(model, train_cfg.num_anchors, train_cfg.loss_gamma)
+    module: nn.Module = LossModule(model, train_cfg.num_anchors, train_cfg.loss_gamma, train_cfg.logits_chunk_rows)
     if d.enabled:
         ids = [d.device.index] if d.device.type == "cuda" else None
         module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
