@@ -81,7 +81,7 @@ def test_estimate_matches_the_measured_peak_of_real_training_steps(shape, data, 
     opt = build_optimizer(tcfg, model)
     sched = build_scheduler(tcfg, opt, total_steps=10)
     guard = SpikeGuard(GuardsConfig(window=16, min_history=4))
-    lm = LossModule(model, num_anchors, None)
+    lm = LossModule(model, num_anchors, None, chunk)  # the chunk the estimate is given
     nb = _batch(data["rows"], data["length"], data["docs"], shape.n_features * shape.hidden, shape.vocab)
     n_tokens = data["rows"] * data["length"]
     batch = Batch(features=nb.features, input_ids=nb.input_ids, loss_mask=nb.loss_mask, doc_ids=nb.doc_ids,

@@ -10,7 +10,7 @@ import torch
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
-from train.build import LossModule, build_optimizer, build_scheduler, lr_lambda
+from train.build import LossModule, build_loss_module, build_optimizer, build_scheduler, lr_lambda
 from train.guards import SpikeGuard
 from train.model import DFlashConfig, DFlashDrafter
 from train.step import FaultPlan, train_step
@@ -106,3 +106,22 @@ def test_grad_accum_equals_mean_of_micro_batches():
     losses = [lref(_batch(i))[0].item() for i in (1, 2)]
     assert res.loss == pytest.approx(sum(losses) / 2, rel=1e-6)
     assert set(res.metrics["bucket_loss"]) == {0, 1}
+
+
+def test_the_trainers_loss_module_uses_train_logits_chunk_rows(monkeypatch):
+    # the knob `dflash-train estimate` names to lower the loss head's memory must reach the loss head
+    import train.objective as objective
+
+    seen: list[int] = []
+    real = objective.chunked_cross_entropy
+
+    def spy(hidden, weight, targets, row_weights, chunk):
+        seen.append(chunk)
+        return real(hidden, weight, targets, row_weights, chunk)
+
+    monkeypatch.setattr(objective, "chunked_cross_entropy", spy)
+    model = _drafter()
+    tcfg = TrainConfig(num_anchors=4, logits_chunk_rows=3)
+    loss, _ = build_loss_module(tcfg, model, Distributed())(_batch(1))
+    loss.backward()
+    assert seen == [3]

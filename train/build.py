@@ -20,6 +20,7 @@ from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import LoaderConfig, ModelConfig, TrainConfig
 
 from .batch import Batch
+from .objective import DEFAULT_CHUNK_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +104,13 @@ def autocast_context(train_cfg: TrainConfig, device: torch.device):
 class LossModule(nn.Module):
     """Wraps the drafter so DDP sees the whole loss computation as its forward."""
 
-    def __init__(self, drafter: nn.Module, num_anchors: int, gamma: float | None, chunk_rows: int = 2048):
+    def __init__(self, drafter: nn.Module, num_anchors: int, gamma: float | None,
+                 chunk_rows: int = DEFAULT_CHUNK_ROWS):
         super().__init__()
         self.drafter = drafter
         self.num_anchors = num_anchors
         self.gamma = gamma
-        self.chunk_rows = chunk_rows
+        self.chunk_rows = chunk_rows  # train.logits_chunk_rows
 
     def forward(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         from .objective import dflash_loss
