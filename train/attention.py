@@ -80,6 +80,27 @@ class BlockLayout:
     row_tokens: int | None = None  # T: the context is R rows of T positions (None: one row)
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
+    def row_segments(self) -> list[tuple[int, int, int]]:
+        """``(row, first block, end block)`` per row holding blocks (anchors are sorted: a row's are contiguous)."""
+        if "segments" not in self._cache:
+            T = self.row_tokens or self.context_len
+            rows = (self.anchors // T).tolist()
+            out, start = [], 0
+            for end in range(1, len(rows) + 1):
+                if end == len(rows) or rows[end] != rows[start]:
+                    out.append((rows[start], start, end))
+                    start = end
+            self._cache["segments"] = out
+        return self._cache["segments"]
+
+    def to(self, device: torch.device) -> BlockLayout:
+        """The layout on ``device``; its row segments are worked out where the anchors are now (no copy back)."""
+        segments = self.row_segments()
+        moved = BlockLayout(self.anchors.to(device), self.ctx_doc.to(device), self.ctx_pos.to(device),
+                            self.block_size, self.row_tokens)
+        moved._cache["segments"] = segments
+        return moved
+
     @property
     def num_blocks(self) -> int:
         return int(self.anchors.shape[0])
@@ -123,15 +144,12 @@ class BlockLayout:
         key = ("rows", within_block, window, dtype)
         if key not in self._cache:
             T = self.row_tokens or self.context_len
-            rows = (self.anchors // T).tolist()
-            out, start = [], 0
-            for end in range(1, len(rows) + 1):
-                if end == len(rows) or rows[end] != rows[start]:
-                    c0 = rows[start] * T
-                    sub = BlockLayout(self.anchors[start:end] - c0, self.ctx_doc[c0:c0 + T], self.ctx_pos[c0:c0 + T],
-                                      self.block_size)
-                    out.append((c0, c0 + T, start, end, sub.additive(within_block, window, dtype)))
-                    start = end
+            out = []
+            for row, start, end in self.row_segments():
+                c0 = row * T
+                sub = BlockLayout(self.anchors[start:end] - c0, self.ctx_doc[c0:c0 + T], self.ctx_pos[c0:c0 + T],
+                                  self.block_size)
+                out.append((c0, c0 + T, start, end, sub.additive(within_block, window, dtype)))
             self._cache[key] = out
         return self._cache[key]
 

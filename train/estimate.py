@@ -76,6 +76,7 @@ class StepShape:
     blocks: int
     counted_rows: int
     mean_context_per_block: float = 0.0
+    rows: int = 1  # rows of the batch (SDPA attends row by row)
 
     @classmethod
     def worst(cls, context_tokens: int, block_positions: int, block_size: int, mean_doc_tokens: float = 0.0
@@ -185,8 +186,10 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
     # fused kernels (FlexAttention on GPU, SDPA's flash kernel on CPU) keep the output and the log-sum-exp
     attn_saved = heads * Q * shape.head_dim * c + heads * Q * 4
     attn_transient = 3 * K * kvd * c  # gradients of k and v (and q) being formed
-    # the dense path (SDPA) keeps one additive float mask [Q, K] per layer kind for the whole step
-    mask = (1 + int(shape.sliding_layers > 0)) * Q * K * c if attention == "sdpa" else 0
+    # the dense path (SDPA, row by row) keeps one additive float mask [Q_r, T + Q_r] per row and layer kind for
+    # the whole step: Q x (T + Q / rows) in all for rows of equal blocks
+    T = C // max(1, step.rows)
+    mask = (1 + int(shape.sliding_layers > 0)) * Q * (T + Q // max(1, step.rows)) * c if attention == "sdpa" else 0
     layer_full = (per_q * Q + per_c * C) * c + attn_saved
     layers_saved = shape.layers * (Q * H * c if checkpointing else layer_full)  # inputs only when checkpointing
     activations = layers_saved + fused + embed + rope + mask + 2 * Q * H * c  # + the final norm's input and output

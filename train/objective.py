@@ -110,10 +110,7 @@ class Blocks:
         """The same blocks on ``device`` (the index work may run where the batch's token ids are)."""
         if self.targets.device == device:
             return self
-        lay = self.layout
-        layout = BlockLayout(lay.anchors.to(device), lay.ctx_doc.to(device), lay.ctx_pos.to(device), lay.block_size,
-                             lay.row_tokens)
-        return Blocks(layout, self.block_ids.to(device), self.block_positions.to(device), self.targets.to(device),
+        return Blocks(self.layout.to(device), self.block_ids.to(device), self.block_positions.to(device), self.targets.to(device),
                       self.row_valid.to(device))
 
 
