@@ -6,7 +6,7 @@ fp32, one intra-op thread by default. GPU (when CUDA is present): the Qwen3.6-27
 activation checkpointing and logits chunk, reporting tokens/s and the step's peak memory.
 
 The mask share is the time to flatten the batch, sample anchors, build the blocks and every distinct layer
-mask of one step (``BlockLayout.additive`` for SDPA, ``BlockLayout.flex`` for FlexAttention), over the step
+mask of one step (``BlockLayout.row_masks`` for SDPA, ``BlockLayout.flex`` for FlexAttention), over the step
 time. Steps and mask builds alternate round by round, so that the load of a shared machine falls on both;
 each figure is a median with its range and the load average.
 
@@ -78,7 +78,7 @@ def build_masks(model: DFlashDrafter, batch: Any, num_anchors: int, backend: str
         if backend == "flex":
             layout.flex(a.within_block, a.window)
         else:
-            layout.additive(a.within_block, a.window, dtype)
+            layout.row_masks(a.within_block, a.window, dtype)
     return layout.num_blocks
 
 
