@@ -365,8 +365,10 @@ class StreamingLoader:
     def _index_with(self, parts: list[str]) -> Any:
         """The cache index, re-read only when it lacks one of ``parts`` (live mode)."""
         idx = self._index
-        if idx is None or not set(parts) <= {p.key for p in idx.parts}:
-            idx = self._index = self.cache.index()
+        if idx is None or not set(parts) - self._quarantine <= {p.key for p in idx.parts}:
+            idx = self._index = self.cache.index(skip_corrupt=self.cfg.on_corrupt == "skip")
+            for err in idx.skipped:  # unreadable small arrays or commit record: quarantined, not fatal
+                self._quarantine_part(err)
         return idx
 
     def state_dict(self) -> dict[str, Any]:
@@ -411,7 +413,13 @@ class StreamingLoader:
     # ---------------------------------------------------------------- planning
 
     def _committed_keys(self, require: bool) -> list[str]:
-        keys = sorted(p.key for p in self.cache.parts())
+        if self.cfg.on_corrupt == "skip":
+            parts, bad = self.cache.scan_parts()
+            for err in bad:  # a commit record that cannot be trusted: quarantined, not fatal
+                self._quarantine_part(err)
+        else:
+            parts = self.cache.parts()
+        keys = sorted(p.key for p in parts)
         if require and not keys:
             raise CacheError(f"the cache at {self.cache.url} has no committed parts; run dflash-extract first, "
                              "or set loader.live = true to wait for parts being extracted")
@@ -421,7 +429,7 @@ class StreamingLoader:
                 history: list[list[str]] | None = None) -> _Window:
         idx = self._index_with(parts)
         keys = np.array([p.key for p in idx.parts], dtype=object)
-        missing = sorted(set(parts) - set(keys.tolist()))
+        missing = sorted(set(parts) - set(keys.tolist()) - self._quarantine)
         if missing:
             raise CacheError(f"parts {missing[:3]} planned for epoch {epoch} are no longer committed in "
                              f"{self.cache.url}; restore them or start a new run")
