@@ -122,8 +122,12 @@ class Holder:
             return start is None or (start != "" and start == self.start)
         return time.time() - self.heartbeat_unix < timeout_s
 
+    @property
+    def who(self) -> str:
+        return f"pid {self.pid} on host {self.host}"
+
     def describe(self) -> str:
-        return f"pid {self.pid} on host {self.host} (heartbeat {max(0.0, time.time() - self.heartbeat_unix):.0f} s ago)"
+        return f"{self.who} (heartbeat {max(0.0, time.time() - self.heartbeat_unix):.0f} s ago)"
 
 
 class PartCommittedError(CacheError):

@@ -423,6 +423,11 @@ class FsspecStorage(Storage):
     def remove_entry(self, key: str) -> None:
         self.remove_tree(key)
 
+    def remove_empty_dir(self, prefix: str) -> None:
+        with contextlib.suppress(OSError):  # filesystems with real (or pseudo) directories
+            if not self.fs.ls(self._p(prefix), detail=False):
+                self.fs.rmdir(self._p(prefix))
+
     def root_is_file(self) -> bool:
         return self.fs.isfile(self.root)
 

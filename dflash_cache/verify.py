@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 EXTRACT_REPORT = "meta/extract_report.json"
 _RERUN = "rerun dflash-extract with the same config and --out: it rewrites missing parts and keeps the others"
+_REWRITE = "delete the part's directory and rerun dflash-extract with the same config and --out to rewrite it"
 
 
 @dataclass
@@ -75,7 +76,8 @@ class VerifyReport:
         s += "all checks pass" if self.ok else f"{len(self.problems)} problem(s)"
         if self.being_written:
             s += f"; {len(self.being_written)} part(s) being written by a live extraction"
-        left = len(self.uncommitted) - len(self.being_written)
+        listed = {p.part for p in self.problems}
+        left = len([k for k in self.uncommitted if k not in self.being_written and k not in listed])
         if left:
             s += f"; {left} uncommitted leftover(s) (dflash-cache gc removes them)"
         return s
@@ -207,8 +209,10 @@ def _check_units(cache: FeatureCache, parts: list[PartInfo], report: VerifyRepor
             missing = [b for b in meta.get("unit_buckets", []) if b not in have]
             msg = (f"work unit {u} is incomplete: {len(mine)} of its {want_parts} parts are committed and this "
                    f"one has no commit record; {_RERUN}")
+            listed = {p.part for p in report.problems}
             for b in missing:
-                report.add(part_key(b, mine[0].name), COMMIT, msg)
+                if part_key(b, mine[0].name) not in listed:  # (an unreadable record is reported already)
+                    report.add(part_key(b, mine[0].name), COMMIT, msg)
             if not missing:
                 report.add(mine[0].key, "meta", msg.replace("this one", "another (bucket unknown)"))
             continue
@@ -251,23 +255,23 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
     _check_head(cache, report)
     parts, bad_records = cache.scan_parts()
     for err in bad_records:
-        report.add(err.part, err.array or COMMIT, str(err))
+        report.add(err.part, err.array or COMMIT, _reason(err))
     seen: dict[int, str] = {}
     for part in parts:
         report.n_parts += 1
         try:
             small = _check_part(cache.storage, cache, part)
         except _PartCheck as err:
-            report.add(part.key, err.array, err.message)
+            report.add(part.key, err.array, f"{err.message}; {_REWRITE}")
             continue
         except CacheCorruptError as err:
-            report.add(part.key, err.array or "?", str(err))
+            report.add(part.key, err.array or "?", _reason(err))
             continue
         report.n_samples += part.n_samples
         report.n_tokens += part.n_tokens
         _check_duplicates(report, seen, small["sample_ids"], part.key)
     _check_units(cache, parts, report)
-    if not bad_records:
+    if not any(p.part is not None for p in report.problems):  # (else those problems explain a shortfall)
         _check_extract_report(cache, parts, report)
     if report.problems and raise_on_error:
         first = report.problems[0]
@@ -275,6 +279,15 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
         raise CacheCorruptError(f"{url}: verify found {len(report.problems)} problem(s):\n  {listing}",
                                 part=first.part, array=first.array)
     return report
+
+
+def _reason(err: CacheCorruptError) -> str:
+    """A reader's error as a verify line: without the part/array prefix (the line names them) and with
+    verify's advice instead of the reader's."""
+    msg = str(err)
+    for prefix in (f"part {err.part}, array {err.array}: ", f"part {err.part}: "):
+        msg = msg.removeprefix(prefix)
+    return f"{msg.split('; run `dflash-cache verify`')[0]}; {_REWRITE}"
 
 
 def _check_duplicates(report: VerifyReport, seen: dict[int, str], ids: Any, key: str) -> None:

@@ -325,8 +325,7 @@ class UnitRunner:
             for lease in leases.values():
                 lease.release(remove_dir=True)
             if prep.unit not in self.holders:
-                log.info("unit %d is being written by %s: doing the other units first, then waiting for it",
-                         prep.unit, err.holder.describe())
+                log.debug("unit %d is being written by %s: put aside", prep.unit, err.holder.describe())
             self.holders[prep.unit] = err.holder
             return False
         except BaseException:
@@ -475,6 +474,10 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: DistContext, show: bool, t_star
 def wait_for_others(runner: UnitRunner, deferred: dict[int, PreparedUnit]) -> None:
     """Retry the units put aside (leased by other live processes) until each is committed by its
     holder or, when a holder dies, by this process."""
+    if deferred:
+        holders = sorted({h.who for h in runner.holders.values()})
+        log.info("%d unit(s) were being written by other processes (%s) when this one reached them; waiting for "
+                 "them (a unit whose writer dies is taken over)", len(deferred), ", ".join(holders[:5]))
     last_log = time.monotonic()
     while deferred:
         runner.writer.raise_if_failed()
