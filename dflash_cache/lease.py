@@ -18,9 +18,11 @@ A holder is live when
 Limits, by design: across hosts liveness rests on the heartbeat, so a writer that stalls for longer
 than ``timeout_s`` (default :data:`LEASE_TIMEOUT_S`) can lose its part to another process; it
 notices before it commits (the commit is refused and it removes nothing). The hosts' clocks must
-agree to well within ``timeout_s`` (NTP). On an fsspec filesystem whose ``pipe_file(mode="create")``
-is fsspec's generic check-then-write, two processes that race for one free part within the same
-moment could both create it; local paths, S3 (s3fs) and ``memory://`` are atomic.
+agree to well within ``timeout_s`` (NTP). Exclusive creation is atomic on local and NFS paths (hard
+links) and ``memory://``; on another fsspec filesystem only where its ``pipe_file(mode="create")`` is
+a conditional write (``If-None-Match`` on S3-compatible stores, in implementations that support it).
+Where it is fsspec's generic check-then-write, two processes that race for one free part within the
+same moment could both create it.
 """
 
 from __future__ import annotations
@@ -241,8 +243,9 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
                 log.info("took over part %s from %s (gone)", key, holder.describe())
             return lease
         # another process created this generation first: look again
-    assert holder is not None
-    raise LeaseHeldError(key, holder)
+    if holder is not None:
+        raise LeaseHeldError(key, holder)
+    raise CacheError(f"part {key}: other processes kept taking its lease while this one tried; rerun the command")
 
 
 class _Keeper:

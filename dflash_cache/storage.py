@@ -377,14 +377,16 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(self._p(key), start=max(0, size - n), end=size)
 
     def exists(self, key: str) -> bool:
+        self.fs.invalidate_cache(self._p(key))  # listings cached by s3fs & co. must not hide a new commit or lease
         return self.fs.exists(self._p(key))
 
     def put(self, key: str, data: bytes, durable: bool = False) -> None:
         self.fs.pipe_file(self._p(key), data)  # one whole object: atomic on object stores
 
     def create_exclusive(self, key: str, data: bytes, durable: bool = False) -> bool:
-        """``pipe_file(mode="create")``: atomic where the filesystem implements it (a conditional put on
-        S3 with s3fs, the memory filesystem); fsspec's generic fallback checks, then writes."""
+        """``pipe_file(mode="create")``: atomic where the filesystem implements it as a conditional write
+        (``If-None-Match`` on S3-compatible stores where supported; the memory filesystem); fsspec's
+        generic fallback checks, then writes."""
         try:
             self.fs.pipe_file(self._p(key), data, mode="create")
         except FileExistsError:
@@ -393,6 +395,7 @@ class FsspecStorage(Storage):
 
     def list_dir(self, prefix: str) -> list[str]:
         p = self._p(prefix)
+        self.fs.invalidate_cache(p)
         try:
             entries = self.fs.ls(p, detail=False)
         except FileNotFoundError:
