@@ -308,7 +308,8 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
         raise NotACacheError(f"{url} is a file, not a cache directory; point --out at a new path (a directory is "
                              "created there) or at an existing cache")
     attrs = _root_attrs(storage) if storage.root_exists() else None
-    if attrs is None and storage.root_exists() and set(storage.list_dir("")) - {"buckets", "zarr.json"}:
+    foreign = {n for n in storage.list_dir("") if not n.startswith(".")} - {"buckets", "zarr.json"}
+    if attrs is None and foreign:  # (hidden names: another creator's temporary files, mid-write)
         attrs = _root_attrs(storage)  # another process may have just finished creating it
         if attrs is None:
             raise NotACacheError(f"{url} is a non-empty directory without a cache in it; choose a new or empty path")

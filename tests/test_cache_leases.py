@@ -188,3 +188,28 @@ def test_cache_files_honour_the_umask(tmp_path, umask, monkeypatch):
     want_file, want_dir = 0o666 & ~umask, 0o777 & ~umask
     wrong = {k: oct(m) for k, m in modes.items() if m != (want_dir if (tmp_path / k).is_dir() else want_file)}
     assert wrong == {}
+
+
+_CREATOR = textwrap.dedent("""
+    import sys, time, torch
+    from dflash_cache import CacheSpec, TeacherInfo, create_cache
+    spec = CacheSpec(TeacherInfo("t", None, 4, 8, 16), [1, 2], "tok", 64, bucket_edges=[16, 32])
+    while time.time() < float(sys.argv[2]):  # start together
+        pass
+    cache = create_cache(sys.argv[1], spec)
+    cache.write_metadata("config", {"a": 1})
+    if not (cache.has_head() and cache.head_record() is not None):
+        cache.save_head(torch.ones(16, 8))
+    cache.load_head()
+""")
+
+
+def test_concurrent_creators_of_one_cache_all_succeed(tmp_path):
+    """Jobs started together on a new --out each create-or-open the cache, and its head is recorded."""
+    go = str(time.time() + 4.0)
+    procs = [subprocess.Popen([sys.executable, "-c", _CREATOR, str(tmp_path / "c"), go], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_CACHE_FSYNC": "1"},
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, errors
+    assert open_cache(str(tmp_path / "c")).head_record() is not None
