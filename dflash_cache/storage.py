@@ -253,8 +253,11 @@ class LocalStorage(Storage):
         NFS). Filesystems without hard links fall back to ``O_EXCL`` (a reader may then briefly see
         the file empty)."""
         path = self._p(key)
-        for _ in range(3):  # the directory can vanish under us (gc of an empty leftover): recreate it
-            tmp = self._write_temp(path, data, durable)
+        for _ in range(5):  # the directory can vanish under us (an empty part directory released): recreate it
+            try:
+                tmp = self._write_temp(path, data, durable)
+            except (FileNotFoundError, FileExistsError):  # (mkdir raced a removal of the directory)
+                continue
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -285,10 +288,10 @@ class LocalStorage(Storage):
         return True
 
     def list_dir(self, prefix: str) -> list[str]:
-        p = self._p(prefix)
-        if not p.is_dir():
+        try:
+            return sorted(e.name for e in os.scandir(self._p(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(e.name for e in os.scandir(p))
 
     def list_files(self, prefix: str) -> dict[str, int]:
         base = self._p(prefix)

@@ -213,3 +213,37 @@ def test_concurrent_creators_of_one_cache_all_succeed(tmp_path):
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, errors
     assert open_cache(str(tmp_path / "c")).head_record() is not None
+
+
+def test_racing_acquire_and_release_stay_exclusive(tmp_path):
+    """Threads take and give back one part as fast as they can (a released empty part directory is
+    removed, so creators race its removal): never two holders, never an error."""
+    import threading
+
+    st = LocalStorage(str(tmp_path / "c"))
+    holding, overlaps, errors, wins = [], [], [], []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(150):
+            try:
+                lease = acquire(st, "buckets/0/p")
+            except LeaseHeldError:
+                continue
+            except Exception as err:  # noqa: BLE001 - collected for the assertion
+                errors.append(repr(err))
+                continue
+            with lock:
+                overlaps.append(len(holding))
+                holding.append(lease)
+            wins.append(1)
+            with lock:
+                holding.remove(lease)
+            lease.release(remove_dir=True)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and set(overlaps) == {0} and len(wins) > 100

@@ -81,14 +81,19 @@ def _assert_same_as_single_run(out: Path, reference: dict[int, bytes]) -> None:
 
 @pytest.mark.parametrize("n_jobs", [2, 3])
 def test_concurrent_jobs_end_with_exactly_the_single_run_samples(tiny_teacher_dir, reference, tmp_path, n_jobs):
-    out = tmp_path / "cache"
-    procs = [_start(tiny_teacher_dir, out) for _ in range(n_jobs)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * n_jobs, outputs
-    assert [_claimed(o) for o in outputs] == [N] * n_jobs  # every job counts the whole, re-checked dataset
-    by_others = [int(re.search(r"(\d+) completed by another process", o).group(1)) for o in outputs]
-    assert sum(by_others) > 0, "the jobs did not overlap: the test proves nothing"
-    _assert_same_as_single_run(out, reference)
+    overlapped = []
+    for attempt in range(3):  # a loaded machine can start one job after the other finished: then try again
+        out = tmp_path / f"cache{attempt}"
+        procs = [_start(tiny_teacher_dir, out) for _ in range(n_jobs)]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * n_jobs, outputs
+        assert [_claimed(o) for o in outputs] == [N] * n_jobs  # every job counts the whole, re-checked dataset
+        _assert_same_as_single_run(out, reference)
+        by_others = [int(re.search(r"(\d+) completed by another process", o).group(1)) for o in outputs]
+        overlapped.append(sum(by_others) > 0)
+        if overlapped[-1]:
+            break
+    assert overlapped[-1], "the jobs never overlapped: the test proves nothing"
 
 
 def _kill_in_commit(victim: subprocess.Popen, out: Path) -> str:
