@@ -130,7 +130,7 @@ def test_live_training_with_two_ranks_plans_the_same_windows(tmp_path):
 
 
 def test_live_mode_needs_max_steps_and_gives_up_waiting_after_its_timeout(tmp_path):
-    with pytest.raises(ConfigError, match=r"train.max_steps is required when loader.live = true"):
+    with pytest.raises(ConfigError, match=r"train.max_steps: is required when loader.live = true"):
         load_config(CONFIG, ["loader.live=true"])
     cmd = [sys.executable, "-m", "train.cli", str(CONFIG), "--cache", str(tmp_path / "nowhere"), "--run-dir",
            str(tmp_path / "run"), *_sets("loader.live=true")]

@@ -276,7 +276,13 @@ class StreamingLoader:
     # ---------------------------------------------------------------- planning
 
     def _committed_keys(self, require: bool) -> list[str]:
-        keys = sorted(p.key for p in self.cache.parts())
+        if self.cfg.on_corrupt == "skip":
+            parts, bad = self.cache.scan_parts()
+            for err in bad:  # a commit record that cannot be trusted: quarantined, not fatal
+                self._quarantine_part(err)
+        else:
+            parts = self.cache.parts()
+        keys = sorted(p.key for p in parts)
         if require and not keys:
             raise CacheError(f"the cache at {self.cache.url} has no committed parts; run dflash-extract first, "
                              "or set loader.live = true to wait for parts being extracted")
@@ -285,8 +291,10 @@ class StreamingLoader:
     def _index_with(self, parts: list[str]) -> Any:
         """The cache index, re-read only when it lacks one of ``parts`` (live mode)."""
         idx = self._index
-        if idx is None or not set(parts) <= {p.key for p in idx.parts}:
-            idx = self._index = self.cache.index()
+        if idx is None or not set(parts) - self._quarantine <= {p.key for p in idx.parts}:
+            idx = self._index = self.cache.index(skip_corrupt=self.cfg.on_corrupt == "skip")
+            for err in idx.skipped:  # unreadable small arrays or commit record: quarantined, not fatal
+                self._quarantine_part(err)
         return idx
 
     def _table(self, parts: list[str]) -> tuple[SampleTable, Planner]:
@@ -296,7 +304,9 @@ class StreamingLoader:
         got = self._planner
         if got is not None and got[0] == key:
             return got[1], got[2]
-        table = select_parts(self._index_with(parts), parts, self.cache.url)
+        index = self._index_with(parts)
+        # a part quarantined since it was planned (unreadable small arrays) is left out, not "missing"
+        table = select_parts(index, [p for p in parts if p not in self._quarantine], self.cache.url)
         planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings)
         self._planner = (key, table, planner)
         return table, planner

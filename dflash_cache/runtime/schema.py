@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class Section(BaseModel):
@@ -82,10 +83,15 @@ class CacheConfig(Section):
     chunk_tokens: int = Field(256, gt=0)  # inner chunk length along tokens
     shard_tokens: int = Field(16384, gt=0)  # tokens per shard file
 
+    @field_validator("bucket_edges")
+    @classmethod
+    def _check_edges(cls, edges: list[int]) -> list[int]:
+        if sorted(set(edges)) != edges or any(e <= 0 for e in edges):
+            raise ValueError(f"must be strictly increasing positive token lengths, got {edges}")
+        return edges
+
     @model_validator(mode="after")
     def _check(self) -> CacheConfig:
-        if sorted(set(self.bucket_edges)) != self.bucket_edges or any(e <= 0 for e in self.bucket_edges):
-            raise ValueError("bucket_edges must be strictly increasing positive token lengths")
         if self.shard_tokens % self.chunk_tokens:
             raise ValueError("shard_tokens must be a multiple of chunk_tokens")
         return self
@@ -226,9 +232,30 @@ class PipelineConfig(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> PipelineConfig:
+    def _cross_check(self) -> PipelineConfig:
+        """Checks across sections, each reported at the field to change."""
+        max_len = self.data.max_length
+        errors = []
+        over = [e for e in self.cache.bucket_edges if e >= max_len]
+        if over:
+            errors.append(_field_error(
+                ("cache", "bucket_edges"), self.cache.bucket_edges,
+                f"edges {over} are not below data.max_length ({max_len}): samples are truncated to max_length, so "
+                "those buckets would stay empty; use edges below data.max_length (or raise it)"))
+        if self.extract.tokens_per_batch < max_len:
+            errors.append(_field_error(
+                ("extract", "tokens_per_batch"), self.extract.tokens_per_batch,
+                f"is below data.max_length ({max_len}): a sample of max_length tokens would not fit in a batch; "
+                "set it to at least data.max_length"))
         if self.loader.live and self.train.max_steps is None:
-            raise ValueError("train.max_steps is required when loader.live = true: the cache is still being "
-                             "extracted, so the number of steps (and the lr schedule) cannot be planned from it; "
-                             "set --set train.max_steps=N")
+            errors.append(_field_error(
+                ("train", "max_steps"), None,
+                "is required when loader.live = true: the cache is still being extracted, so the number of steps "
+                "(and the lr schedule) cannot be planned from it; set --set train.max_steps=N"))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
+
+
+def _field_error(loc: tuple[str, ...], value: object, message: str) -> InitErrorDetails:
+    return InitErrorDetails(type=PydanticCustomError("cross_check", message), loc=loc, input=value)
