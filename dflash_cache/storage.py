@@ -247,7 +247,7 @@ class LocalStorage(Storage):
             tmp.unlink(missing_ok=True)
             raise
         if durable and fsync_enabled():
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
     def create_exclusive(self, key: str, data: bytes, durable: bool = False) -> bool:
         """A hard link of a complete temporary file: atomic, and it fails when ``key`` exists (also on
@@ -272,7 +272,7 @@ class LocalStorage(Storage):
             finally:
                 tmp.unlink(missing_ok=True)
             if durable and fsync_enabled():
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
             return True
         raise FileNotFoundError(errno.ENOENT, "directory keeps disappearing", str(path.parent))
 
@@ -334,8 +334,8 @@ class LocalStorage(Storage):
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            _fsync_dir(Path(dirpath))
-        _fsync_dir(base.parent)
+            fsync_dir(Path(dirpath))
+        fsync_dir(base.parent)
 
     def root_exists(self) -> bool:
         return self.root.exists()
@@ -346,15 +346,16 @@ class LocalStorage(Storage):
         return LocalStore(self._p(prefix))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries durable (after creating or renaming something in it). A filesystem that
+    does not support fsync on a directory (EINVAL, ENOTSUP, EBADF: some network filesystems) is skipped;
+    any other error (EIO) is raised. The one policy for caches, checkpoints and answer logs."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
