@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test demo lint bench clean
+.PHONY: venv test demo lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ lint: venv
 
 bench: venv
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+gpu-check: venv
+	# one prepared GPU check (<= 8 min on one H200): writes bench/results/gpu.json
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

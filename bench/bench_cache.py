@@ -286,7 +286,7 @@ def main() -> None:
     n_tokens = sum(f.shape[0] for _, f in samples)
     res = {"setup": {"n_samples": n, "n_tokens": n_tokens, "feature_dim": args.layers * hidden,
                      "raw_bf16_bytes": n_tokens * args.layers * hidden * 2, "threads": 1,
-                     "crc32c": codecs.CRC_IMPL, "blosc_direct": codecs.BLOSC is not None,
+                     "crc32c": codecs.CRC_IMPL,
                      "load_avg_start": os.getloadavg()[0], "cpu_count": os.cpu_count()}}
     res["codecs"] = bench_codecs(root, samples, args.layers, hidden)
     res["torch_save_per_sample"] = bench_torch_save(root, samples)

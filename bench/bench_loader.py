@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader, Dataset
 from dflash_cache import create_cache, open_cache
 from dflash_cache.runtime.schema import LoaderConfig
 from dflash_cache.synthetic import make_synthetic_cache, synthetic_lengths
-from train.loader import StreamingLoader, collate
+from train.assemble import collate
+from train.loader import StreamingLoader
 from train.plan import PlanSettings, build_plan
 
 EDGES = (256, 512, 1024, 2048)
@@ -61,7 +62,8 @@ def bench_plan(n: int, budget: int) -> dict:
     buckets = np.searchsorted(EDGES, lengths, side="left")
     out = {"n_samples": n, "tokens_per_batch": budget, "random_shuffle_padding": random_batches_padding(lengths, budget, 0)}
     for packing in (False, True):
-        s = PlanSettings(seed=0, tokens_per_batch=budget, packing=packing, row_tokens=4096 if packing else None)
+        s = PlanSettings(seed=0, num_anchors=512, block_size=16, tokens_per_batch=budget, packing=packing,
+                         row_tokens=4096 if packing else None)
         t0 = time.perf_counter()
         plan = build_plan(ids, lengths, buckets, s, epoch=0)
         key = "packed" if packing else "padded"
@@ -118,7 +120,8 @@ def _loader_cfg(budget: int, readers: int) -> LoaderConfig:
 def time_loader(url: str, budget: int, readers: int, epochs: int) -> tuple[float, float, float]:
     """(tokens/s, feature GB/s, feature GB per CPU-second of this process) over ``epochs`` timed epochs
     after one warm-up epoch."""
-    with StreamingLoader(open_cache(url), _loader_cfg(budget, readers), seed=0, max_epochs=epochs + 1) as loader:
+    with StreamingLoader(open_cache(url), _loader_cfg(budget, readers), seed=0, num_anchors=512, block_size=16,
+                         max_epochs=epochs + 1) as loader:
         for _ in loader:
             pass
         t0, c0, tokens, nbytes = time.perf_counter(), time.process_time(), 0, 0
@@ -135,7 +138,8 @@ def time_files(root: Path, url: str, budget: int, workers: int, epochs: int) -> 
     (tokens/s, feature GB/s, GB per CPU-second: only without worker processes, whose time is not ours)."""
     cache = open_cache(url)
     idx = cache.index()
-    plan = build_plan(idx.sample_ids, idx.lengths, idx.buckets, PlanSettings(seed=0, tokens_per_batch=budget), epoch=0)
+    s = PlanSettings(seed=0, num_anchors=512, block_size=16, tokens_per_batch=budget)
+    plan = build_plan(idx.sample_ids, idx.lengths, idx.buckets, s, epoch=0)
     batches = [idx.sample_ids[b.positions].tolist() for b in plan.batches]
     dim = cache.spec.feature_dim
     dl = DataLoader(SampleFiles(root), batch_sampler=batches, num_workers=workers, collate_fn=_pad_collate,

@@ -5,7 +5,7 @@ primary figure, since wall time on a shared 2-core machine swings by 2-5x with o
 
 The full trainer is ``train.loop.train`` (loader, guards, metrics to TensorBoard + JSONL every step,
 checkpoints every ``--ckpt-every`` steps, progress bar off); its per-step wall time comes from
-``metrics.jsonl`` (``step_time_s``). The bare loop runs the same model config on the batches the
+``metrics.jsonl`` (``train/step_time_s``: training only, evaluation and checkpoint time excluded). The bare loop runs the same model config on the batches the
 same loader yields, already in memory. "loop" is the trainer fed those in-memory batches (its own
 overhead: guards, metrics, checkpoints); "full" uses the streaming loader. Goal: <= 1.05.
 
@@ -89,7 +89,8 @@ class InMemoryLoader:
 
 def collect_batches(cfg, cache, n: int) -> list:
     # batches stay on the host; each loop moves them
-    loader = build_loader(cfg.loader, cache, Distributed(), seed=cfg.train.seed, epochs=cfg.train.epochs)
+    loader = build_loader(cfg.loader, cache, Distributed(), seed=cfg.train.seed, epochs=cfg.train.epochs,
+                          num_anchors=cfg.train.num_anchors, block_size=cfg.model.block_size)
     out = []
     for b in batch_stream(loader, cfg.train.epochs):
         out.append(b)
@@ -104,14 +105,14 @@ def full_step_times(cfg, url: str, run_dir: Path, batches: list | None) -> tuple
     ``batches``: use an in-memory loader over them."""
     original = loop_mod.build_loader
     if batches is not None:
-        loop_mod.build_loader = lambda loader_cfg, cache, d, seed, epochs: InMemoryLoader(batches, epochs)
+        loop_mod.build_loader = lambda loader_cfg, cache, d, *, seed, epochs, **_: InMemoryLoader(batches, epochs)
     try:
         train(cfg, url, run_dir)
     finally:
         loop_mod.build_loader = original
     recs = read_metrics(run_dir)
-    return ([r["step_time_s"] for r in recs][WARMUP:], [r["perf/step_cpu_s"] for r in recs][WARMUP:],
-            [r["ckpt_blocking_ms"] for r in recs if "ckpt_blocking_ms" in r])
+    return ([r["train/step_time_s"] for r in recs][WARMUP:], [r["perf/step_cpu_s"] for r in recs][WARMUP:],
+            [r["ckpt/blocking_ms"] for r in read_metrics(run_dir, kind="save")])
 
 
 def main() -> None:

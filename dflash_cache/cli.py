@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dflash_cache.lease import LEASE_TIMEOUT_S
 from dflash_cache.runtime.entry import run_cli
 
 
@@ -71,9 +72,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from dflash_cache.verify import verify_cache
 
-    report = verify_cache(args.cache)  # raises CacheCorruptError (exit 2) naming the part and array
+    report = verify_cache(args.cache, raise_on_error=False)
     print(report.summary())
-    return 0
+    if report.ok:
+        return 0
+    print(f"error: {args.cache}: verify found {len(report.problems)} problem(s), one line per part:", file=sys.stderr)
+    for problem in report.problems:
+        print(f"  {problem}", file=sys.stderr)
+    return 2
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
@@ -92,14 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("cache", help="cache path or fsspec URL")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(fn=_cmd_info)
-    ver = sub.add_parser("verify", help="re-read every committed part and check it; non-zero exit on a fault")
+    ver = sub.add_parser("verify", help="check the head, every committed part and the completeness of every work "
+                         "unit; lists every bad part, exit 2 on any fault")
     ver.add_argument("cache")
     ver.set_defaults(fn=_cmd_verify)
     gc = sub.add_parser("gc", help="remove uncommitted leftovers of dead writers")
     gc.add_argument("cache")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
-    gc.add_argument("--min-age", type=float, default=3600.0,
-                    help="for leftovers written on other hosts: only remove those older than this many seconds")
+    gc.add_argument("--min-age", type=float, default=LEASE_TIMEOUT_S,
+                    help="leftovers of writers on other hosts count as abandoned when their lease heartbeat is older "
+                         "than this many seconds (writers on this host: when their process is gone)")
     gc.set_defaults(fn=_cmd_gc)
     return p
 

@@ -12,15 +12,16 @@ bf16 is stored as ``uint16`` and fp8 as ``uint8`` (zarr has neither type); the a
 ``logical_dtype`` says what the bits mean. Every chunk carries a crc32c (zarr's ``crc32c`` codec),
 so a flipped byte is caught on every read, not only by ``verify``.
 
-Speed: chunks are decoded through blosc's C entry points (GIL released, straight into the caller's
-memory, only the blocks a range overlaps); ``DFLASH_CACHE_CTYPES_BLOSC=0`` falls back to numcodecs.
-The crc32c comes from the ``crc32c`` package when installed (extra ``fast``), else google-crc32c
-(``DFLASH_CACHE_CRC=google`` forces it). ``DFLASH_CACHE_ENCODE_THREADS`` sets the writer's encode threads.
+Speed: chunks are decoded with ``numcodecs.blosc.decompress`` straight into the caller's memory (a whole
+chunk), or into a per-thread scratch chunk and copied (a partial range). numcodecs releases the GIL and uses
+a per-call blosc context when called from a non-main thread (the loader's readers), so readers decode in
+parallel without any process-wide setting. The crc32c comes from the ``crc32c`` package when installed
+(extra ``fast``), else google-crc32c (``DFLASH_CACHE_CRC=google`` forces it). ``DFLASH_CACHE_ENCODE_THREADS``
+sets the writer's encode threads.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Callable
@@ -33,9 +34,9 @@ import numpy as np
 import torch
 from zarr.codecs import BloscCodec, Crc32cCodec
 
-FP8_MAX = 448.0  # largest finite float8-e4m3fn value
+from .runtime.switches import env_switch
 
-numcodecs.blosc.use_threads = False  # decode on the calling thread; parallelism comes from reader threads
+FP8_MAX = 448.0  # largest finite float8-e4m3fn value
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ _encode_pool_lock = threading.Lock()
 def encode_threads() -> int:
     """Threads that encode the inner chunks of a shard in parallel (blosc releases the GIL):
     ``DFLASH_CACHE_ENCODE_THREADS``, default min(4, CPU count). One pool serves every writer."""
-    env = os.environ.get("DFLASH_CACHE_ENCODE_THREADS")
+    env = env_switch("DFLASH_CACHE_ENCODE_THREADS")
     return max(1, int(env)) if env else max(1, min(4, os.cpu_count() or 1))
 
 
@@ -202,39 +203,18 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = 256,
 # ---- direct chunk decoding (the reader's hot path) ----------------------------------------------
 
 
-class _BloscLib:
-    """blosc's C entry points, called through ctypes so that the GIL is released while decoding and a
-    chunk can be decoded straight into any destination (including a slice of a batch buffer).
-
-    The symbols are those of the blosc library that numcodecs links in; where they are not exported
-    (another numcodecs build), :data:`BLOSC` is None and decoding goes through ``numcodecs.blosc``.
-    """
-
-    def __init__(self, path: str):
-        lib = ctypes.CDLL(path)
-        self.decompress = lib.blosc_decompress_ctx  # (src, dest, destsize, nthreads) -> bytes or < 0
-        self.decompress.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self.decompress.restype = ctypes.c_int
-        self.getitem = lib.blosc_getitem  # (src, start item, n items, dest) -> bytes or < 0
-        self.getitem.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-        self.getitem.restype = ctypes.c_int
-
-
-def _load_blosc() -> _BloscLib | None:
-    if os.environ.get("DFLASH_CACHE_CTYPES_BLOSC", "1") == "0":
-        return None
-    try:
-        return _BloscLib(numcodecs.blosc.__file__)
-    except (OSError, AttributeError):
-        return None
-
-
-BLOSC = _load_blosc()
 _BLOSC_HEADER = 16
+_scratch = threading.local()
 
 
-def _address(buf: np.ndarray) -> int:
-    return buf.ctypes.data
+def scratch_buffer(name: str, n: int) -> np.ndarray:
+    """A per-thread reusable uint8 buffer of ``n`` bytes (grown, never shrunk): decoding into fresh memory
+    page-faults every time."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.nbytes < n:
+        buf = np.empty(max(n, 1 << 20), dtype=np.uint8)
+        setattr(_scratch, name, buf)
+    return buf[:n]
 
 
 def blosc_header(body: np.ndarray) -> tuple[int, int, int]:
@@ -253,14 +233,6 @@ class ChunkDecoder:
     blosc: bool
     crc: bool
 
-    @classmethod
-    def from_codecs(cls, codecs: list[dict]) -> ChunkDecoder:
-        names = [c["name"] for c in codecs]
-        unknown = set(names) - {"bytes", "blosc", "crc32c"}
-        if unknown:
-            raise ValueError(f"unsupported codecs {sorted(unknown)} in the array metadata")
-        return cls(blosc="blosc" in names, crc="crc32c" in names)
-
     def payload(self, raw: bytes | memoryview | np.ndarray) -> np.ndarray:
         """Check the crc32c (raises :class:`ChecksumError`) and return the encoded bytes (uint8, no copy)."""
         mv = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
@@ -273,15 +245,10 @@ class ChunkDecoder:
             raise ChecksumError("chunk checksum mismatch (stored crc32c differs from the data)")
         return body
 
-    def decode_into(self, raw: bytes | memoryview | np.ndarray, out: np.ndarray) -> None:
-        """Decode into a C-contiguous array of exactly the chunk's size."""
-        dest = out.reshape(-1).view(np.uint8)
-        self.decode_range_into(raw, dest, 0, dest.nbytes)
-
     def decode_range_into(self, raw: bytes | memoryview | np.ndarray, dest: np.ndarray, start: int,
                           chunk_nbytes: int) -> None:
         """Decode bytes ``[start, start + dest.nbytes)`` of a chunk that decodes to ``chunk_nbytes`` bytes
-        into ``dest`` (C-contiguous uint8). Only the blosc blocks that overlap the range are decoded."""
+        into ``dest`` (C-contiguous uint8)."""
         body = self.payload(raw)
         n = dest.nbytes
         if not 0 <= start <= start + n <= chunk_nbytes:
@@ -295,27 +262,15 @@ class ChunkDecoder:
         if nbytes != chunk_nbytes or cbytes != body.nbytes or typesize < 1:
             raise ChecksumError(f"chunk header says {nbytes} bytes decoded from {cbytes} (typesize {typesize}); "
                                 f"expected {chunk_nbytes} from {body.nbytes}")
-        if BLOSC is None or (n != chunk_nbytes and (start % typesize or n % typesize)):
-            _decode_numcodecs(body, dest, start, chunk_nbytes)
-        elif n == chunk_nbytes:
-            got = BLOSC.decompress(_address(body), _address(dest), n, 1)
-            if got != n:
-                raise ChecksumError(f"chunk fails to decompress (blosc returned {got}, expected {n})")
-        elif n:
-            got = BLOSC.getitem(_address(body), start // typesize, n // typesize, _address(dest))
-            if got != n:
-                raise ChecksumError(f"chunk fails to decompress (blosc returned {got}, expected {n})")
-
-
-def _decode_numcodecs(body: np.ndarray, dest: np.ndarray, start: int, chunk_nbytes: int) -> None:
-    """The portable path: numcodecs decodes the whole chunk (into ``dest`` when it is the whole chunk)."""
-    whole = dest if dest.nbytes == chunk_nbytes else np.empty(chunk_nbytes, np.uint8)
-    try:
-        numcodecs.blosc.decompress(body, whole)
-    except (RuntimeError, ValueError) as err:
-        raise ChecksumError(f"chunk fails to decompress ({err})") from None
-    if whole is not dest:
-        dest[:] = whole[start:start + dest.nbytes]
+        if n == 0:
+            return
+        whole = dest if n == chunk_nbytes else scratch_buffer("decoded", chunk_nbytes)
+        try:
+            numcodecs.blosc.decompress(body, whole)
+        except (RuntimeError, ValueError) as err:
+            raise ChecksumError(f"chunk fails to decompress ({err})") from None
+        if whole is not dest:
+            dest[:] = whole[start:start + n]
 
 
 class ChecksumError(ValueError):
@@ -329,7 +284,7 @@ def _crc_google(data: np.ndarray, value: int) -> int:
 def _load_crc() -> tuple[str, Callable[[np.ndarray, int], int]]:
     """The fastest crc32c at hand: the ``crc32c`` package (SSE4.2/ARMv8, releases the GIL) when installed
     (the ``fast`` extra), else ``google-crc32c``. Both compute the same Castagnoli CRC."""
-    if os.environ.get("DFLASH_CACHE_CRC", "") != "google":
+    if env_switch("DFLASH_CACHE_CRC", "") != "google":
         try:
             import crc32c as _fast
 

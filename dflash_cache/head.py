@@ -27,8 +27,9 @@ def encode_head(spec: CacheSpec, embed_tokens: torch.Tensor, lm_head: torch.Tens
     return st_save(tensors, metadata={"tied": str(lm_head is None).lower()})
 
 
-def decode_head(raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> ``(embed_tokens [V, H], lm_head [V, H])``; lm_head is the embedding when tied."""
+def decode_head(raw: bytes, spec: CacheSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ``(embed_tokens [V, H], lm_head [V, H])``; lm_head is the embedding when tied. With ``spec``
+    the shapes are checked against it."""
     try:
         tensors = st_load(raw)
     except (SafetensorError, ValueError) as err:
@@ -37,4 +38,11 @@ def decode_head(raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     if "embed_tokens" not in tensors:
         raise CacheCorruptError(f"{HEAD_KEY} lacks 'embed_tokens'", array=HEAD_KEY)
     embed = tensors["embed_tokens"]
-    return embed, tensors.get("lm_head", embed)
+    head = tensors.get("lm_head", embed)
+    if spec is not None:
+        want = [spec.teacher.vocab_size, spec.teacher.hidden_size]
+        for name, t in (("embed_tokens", embed), ("lm_head", head)):
+            if list(t.shape) != want:
+                raise CacheCorruptError(f"{HEAD_KEY}: {name} is {list(t.shape)}, the cache spec says {want}",
+                                        array=HEAD_KEY)
+    return embed, head

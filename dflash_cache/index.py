@@ -25,6 +25,7 @@ class CacheIndex:
     row: np.ndarray
     token_start: np.ndarray
     parts: list[PartInfo]
+    skipped: list[CacheCorruptError] = field(default_factory=list)  # parts left out (``skip_corrupt``)
     _order: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -60,14 +61,28 @@ def _part_arrays(storage: Storage, part: PartInfo) -> tuple[np.ndarray, np.ndarr
     return ids.astype(np.int64), offsets.astype(np.int64)
 
 
-def build_index(storage: Storage, parts: list[PartInfo], threads: int = 8) -> CacheIndex:
-    """Read ``sample_ids`` and ``offsets`` of every part (never a feature chunk)."""
+def build_index(storage: Storage, parts: list[PartInfo], threads: int = 8, skip_corrupt: bool = False) -> CacheIndex:
+    """Read ``sample_ids`` and ``offsets`` of every part (never a feature chunk). With ``skip_corrupt``
+    a part whose small arrays cannot be read is left out (listed in ``skipped``) instead of raising."""
+
+    def read(p: PartInfo) -> tuple[np.ndarray, np.ndarray] | CacheCorruptError:
+        try:
+            return _part_arrays(storage, p)
+        except CacheCorruptError as err:
+            if not skip_corrupt:
+                raise
+            return err
+
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        arrays = list(pool.map(lambda p: _part_arrays(storage, p), parts))
+        got = list(pool.map(read, parts))
+    skipped = [a for a in got if isinstance(a, CacheCorruptError)]
+    parts = [p for p, a in zip(parts, got, strict=True) if not isinstance(a, CacheCorruptError)]
+    arrays = [a for a in got if not isinstance(a, CacheCorruptError)]
     n = [p.n_samples for p in parts]
     if not parts:
         e = np.zeros(0, np.int64)
-        return CacheIndex(e, e.astype(np.int32), e.astype(np.int16), e.astype(np.int32), e.astype(np.int32), e, [])
+        return CacheIndex(e, e.astype(np.int32), e.astype(np.int16), e.astype(np.int32), e.astype(np.int32), e, [],
+                          skipped)
     ids = np.concatenate([a[0] for a in arrays])
     offsets = [a[1] for a in arrays]
     idx = CacheIndex(
@@ -78,6 +93,7 @@ def build_index(storage: Storage, parts: list[PartInfo], threads: int = 8) -> Ca
         row=np.concatenate([np.arange(k, dtype=np.int32) for k in n]),
         token_start=np.concatenate([o[:-1] for o in offsets]),
         parts=parts,
+        skipped=skipped,
     )
     _check_unique(idx)
     return idx

@@ -19,25 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codecs import ChecksumError, ChunkDecoder, crc32c, dequantize_fp8, u16_to_bf16
+from .codecs import ChecksumError, ChunkDecoder, crc32c, dequantize_fp8, scratch_buffer, u16_to_bf16
 from .errors import CacheCorruptError
 from .parts import PartInfo
 from .storage import Storage
 
 _EMPTY = np.uint64(2**64 - 1)
-_scratch = threading.local()  # per-thread reusable buffers: fresh pages cost more than decoding here
 
 
 _SCRATCH_MAX = 64 << 20  # larger temporaries are allocated per call, not kept per thread
-
-
-def _scratch_buffer(name: str, n: int) -> np.ndarray:
-    """A per-thread reusable uint8 buffer of ``n`` bytes (grown, never shrunk)."""
-    buf = getattr(_scratch, name, None)
-    if buf is None or buf.nbytes < n:
-        buf = np.empty(max(n, 1 << 20), dtype=np.uint8)
-        setattr(_scratch, name, buf)
-    return buf[:n]
 
 
 _SMALL_DECODER = ChunkDecoder(blosc=True, crc=True)
@@ -190,7 +180,7 @@ class ArrayReader:
                     if not lay.decoder.blosc and lay.decoder.crc:
                         self._read_raw_chunk(f, off, n, k, start, stop, dest)
                         continue
-                    buf = _scratch_buffer("chunk", n)  # read one chunk, check and decode it while cache-hot
+                    buf = scratch_buffer("chunk", n)  # read one chunk, check and decode it while cache-hot
                     if f.read_into(off, [memoryview(buf)]) != n:
                         raise self._corrupt(f"shard {key} is truncated")
                     self._decode(buf, k, start, stop, dest)
@@ -218,7 +208,7 @@ class ArrayReader:
         chunk_bytes = self.layout.chunk_rows * self._row_bytes()
         if n != chunk_bytes + 4:
             raise self._corrupt(f"chunk {k}: holds {n} bytes, expected {chunk_bytes + 4}")
-        rest = _scratch_buffer("chunk", n - count)
+        rest = scratch_buffer("chunk", n - count)
         head, tail = rest[:in_chunk], rest[in_chunk:]
         if f.read_into(off, [memoryview(head), memoryview(dest[at:at + count]), memoryview(tail)]) != n:
             raise self._corrupt(f"shard {self.layout.chunk_key(k)} is truncated")
@@ -263,7 +253,7 @@ class PartReader:
                              f"{out.dtype} {list(out.shape)} on {out.device}")
         if self.part.codec == "fp8-e4m3":
             n = (stop - start) * d
-            q = (_scratch_buffer("fp8", n) if n <= _SCRATCH_MAX else np.empty(n, np.uint8)).reshape(stop - start, d)
+            q = (scratch_buffer("fp8", n) if n <= _SCRATCH_MAX else np.empty(n, np.uint8)).reshape(stop - start, d)
             self.readers["features"].read_into(start, stop, q)
             s = self.readers["scales"].read(start, stop)
             dequantize_fp8(torch.from_numpy(q), torch.from_numpy(s), out=out)

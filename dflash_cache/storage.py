@@ -8,18 +8,41 @@ relative to the cache root.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import fsspec
 
+from .errors import CacheError
+from .runtime.switches import env_switch
+
+
+def storage_error(err: OSError, url: str, what: str) -> CacheError:
+    """``err`` (raised while ``what``, e.g. "writing part buckets/0/u0000001") as a CacheError that
+    names the path and says what to do."""
+    path = err.filename or url
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CacheError(f"no space left on the device (or over quota) while {what} ({path}): free space, or "
+                          "choose another --out, and rerun the same command; committed parts are kept and the run "
+                          "resumes where it stopped")
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CacheError(f"permission denied while {what} ({path}: {err.strerror}): make {url} writable for this "
+                          "user, or choose another --out")
+    if err.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        return CacheError(f"a file stands where a directory is needed (or the reverse) while {what} ({path}: "
+                          f"{err.strerror}): point --out at a new path or an existing cache")
+    return CacheError(f"storage error while {what} ({path}): {err.strerror or err}; rerun the same command to "
+                      "resume (committed parts are kept)")
+
 
 def fsync_enabled() -> bool:
     """``DFLASH_CACHE_FSYNC=0`` skips fsync (tests, scratch caches): commits stay atomic, not durable."""
-    return os.environ.get("DFLASH_CACHE_FSYNC", "1") != "0"
+    return env_switch("DFLASH_CACHE_FSYNC", "1") != "0"
 
 
 def is_local_url(url: str) -> bool:
@@ -61,6 +84,12 @@ class Storage:
         """Write an object whole; readers never see it half-written."""
         raise NotImplementedError
 
+    def create_exclusive(self, key: str, data: bytes, durable: bool = False) -> bool:
+        """Create ``key`` with ``data`` unless it exists (then return False). Of several processes
+        creating one key, exactly one succeeds, and readers never see it half-written (see the
+        subclasses for where that holds)."""
+        raise NotImplementedError
+
     def list_dir(self, prefix: str) -> list[str]:
         """Names of the direct children of ``prefix`` (files and directories)."""
         raise NotImplementedError
@@ -73,6 +102,17 @@ class Storage:
         raise NotImplementedError
 
     def remove_tree(self, prefix: str) -> None:
+        raise NotImplementedError
+
+    def remove_entry(self, key: str) -> None:
+        """Remove ``key``, a file or a directory tree (nothing if it is missing)."""
+        raise NotImplementedError
+
+    def remove_empty_dir(self, prefix: str) -> None:
+        """Remove the directory ``prefix`` if it is empty (object stores have no directories)."""
+
+    def root_is_file(self) -> bool:
+        """The location is an existing file (not a directory, not missing)."""
         raise NotImplementedError
 
     def sync_tree(self, prefix: str) -> None:
@@ -181,28 +221,78 @@ class LocalStorage(Storage):
     def exists(self, key: str) -> bool:
         return self._p(key).exists()
 
-    def put(self, key: str, data: bytes, durable: bool = False) -> None:
-        path = self._p(key)
+    def _write_temp(self, path: Path, data: bytes, durable: bool) -> Path:
+        """``data`` in a new hidden file beside ``path``, created with mode 0666 less the umask (so a
+        cache on shared storage is as readable as any other file its user creates)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.partial"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 if durable and fsync_enabled():
                     f.flush()
                     os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def put(self, key: str, data: bytes, durable: bool = False) -> None:
+        path = self._p(key)
+        tmp = self._write_temp(path, data, durable)
+        try:
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         if durable and fsync_enabled():
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
+
+    def create_exclusive(self, key: str, data: bytes, durable: bool = False) -> bool:
+        """A hard link of a complete temporary file: atomic, and it fails when ``key`` exists (also on
+        NFS). Filesystems without hard links fall back to ``O_EXCL`` (a reader may then briefly see
+        the file empty)."""
+        path = self._p(key)
+        for _ in range(5):  # the directory can vanish under us (an empty part directory released): recreate it
+            try:
+                tmp = self._write_temp(path, data, durable)
+            except (FileNotFoundError, FileExistsError):  # (mkdir raced a removal of the directory)
+                continue
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                return self._create_excl_open(path, data, durable)
+            finally:
+                tmp.unlink(missing_ok=True)
+            if durable and fsync_enabled():
+                fsync_dir(path.parent)
+            return True
+        raise FileNotFoundError(errno.ENOENT, "directory keeps disappearing", str(path.parent))
+
+    def _create_excl_open(self, path: Path, data: bytes, durable: bool) -> bool:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable and fsync_enabled():
+                f.flush()
+                os.fsync(f.fileno())
+        return True
 
     def list_dir(self, prefix: str) -> list[str]:
-        p = self._p(prefix)
-        if not p.is_dir():
+        try:
+            return sorted(e.name for e in os.scandir(self._p(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(e.name for e in os.scandir(p))
 
     def list_files(self, prefix: str) -> dict[str, int]:
         base = self._p(prefix)
@@ -219,6 +309,20 @@ class LocalStorage(Storage):
     def remove_tree(self, prefix: str) -> None:
         shutil.rmtree(self._p(prefix), ignore_errors=True)
 
+    def remove_entry(self, key: str) -> None:
+        p = self._p(key)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+    def remove_empty_dir(self, prefix: str) -> None:
+        with contextlib.suppress(OSError):  # not empty (someone writes there again), or already gone
+            self._p(prefix).rmdir()
+
+    def root_is_file(self) -> bool:
+        return self.root.exists() and not self.root.is_dir()
+
     def sync_tree(self, prefix: str) -> None:
         if not fsync_enabled():
             return
@@ -230,8 +334,8 @@ class LocalStorage(Storage):
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            _fsync_dir(Path(dirpath))
-        _fsync_dir(base.parent)
+            fsync_dir(Path(dirpath))
+        fsync_dir(base.parent)
 
     def root_exists(self) -> bool:
         return self.root.exists()
@@ -242,15 +346,16 @@ class LocalStorage(Storage):
         return LocalStore(self._p(prefix))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries durable (after creating or renaming something in it). A filesystem that
+    does not support fsync on a directory (EINVAL, ENOTSUP, EBADF: some network filesystems) is skipped;
+    any other error (EIO) is raised. The one policy for caches, checkpoints and answer logs."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
@@ -277,13 +382,25 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(self._p(key), start=max(0, size - n), end=size)
 
     def exists(self, key: str) -> bool:
+        self.fs.invalidate_cache(self._p(key))  # listings cached by s3fs & co. must not hide a new commit or lease
         return self.fs.exists(self._p(key))
 
     def put(self, key: str, data: bytes, durable: bool = False) -> None:
         self.fs.pipe_file(self._p(key), data)  # one whole object: atomic on object stores
 
+    def create_exclusive(self, key: str, data: bytes, durable: bool = False) -> bool:
+        """``pipe_file(mode="create")``: atomic where the filesystem implements it as a conditional write
+        (``If-None-Match`` on S3-compatible stores where supported; the memory filesystem); fsspec's
+        generic fallback checks, then writes."""
+        try:
+            self.fs.pipe_file(self._p(key), data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+
     def list_dir(self, prefix: str) -> list[str]:
         p = self._p(prefix)
+        self.fs.invalidate_cache(p)
         try:
             entries = self.fs.ls(p, detail=False)
         except FileNotFoundError:
@@ -310,6 +427,17 @@ class FsspecStorage(Storage):
     def remove_tree(self, prefix: str) -> None:
         if self.fs.exists(self._p(prefix)):
             self.fs.rm(self._p(prefix), recursive=True)
+
+    def remove_entry(self, key: str) -> None:
+        self.remove_tree(key)
+
+    def remove_empty_dir(self, prefix: str) -> None:
+        with contextlib.suppress(OSError):  # filesystems with real (or pseudo) directories
+            if not self.fs.ls(self._p(prefix), detail=False):
+                self.fs.rmdir(self._p(prefix))
+
+    def root_is_file(self) -> bool:
+        return self.fs.isfile(self.root)
 
     def root_exists(self) -> bool:
         return self.fs.exists(self.root)

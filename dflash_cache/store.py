@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +11,7 @@ import numpy as np
 import torch
 
 from .buckets import bucket_bounds, bucket_of
+from .codecs import crc32c
 from .errors import (
     CacheCorruptError,
     CacheError,
@@ -24,7 +22,8 @@ from .errors import (
 )
 from .head import HEAD_KEY, decode_head, encode_head
 from .index import CacheIndex, build_index
-from .parts import COMMIT, LEASE, PartInfo, check_part_name, part_key
+from .lease import LEASE_TIMEOUT_S, LeaseHeldError, PartCommittedError, PartLease, acquire, live_holder
+from .parts import COMMIT, PartInfo, check_part_name, part_key
 from .reader import PartReaderCache, Sample
 from .spec import ATTR_KEY, FORMAT_VERSION, CacheSpec, describe_diff
 from .storage import Storage, make_storage
@@ -60,24 +59,56 @@ class FeatureCache:
     # -- head and metadata ------------------------------------------------------------------------
 
     def save_head(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
-        """Store the frozen embedding ``[V, H]`` and lm_head ``[V, H]`` (None = tied) once."""
+        """Store the frozen embedding ``[V, H]`` and lm_head ``[V, H]`` (None = tied) once, and its
+        checksum in the root metadata (written after the head, so a recorded checksum always has its head)."""
         raw = encode_head(self.spec, embed_tokens, lm_head)
+        record = {"crc32c": crc32c(raw), "nbytes": len(raw)}
         if self.storage.exists(HEAD_KEY):
-            if self.storage.get(HEAD_KEY) == raw:
-                return
-            raise CacheError(f"{self.url} already holds a different {HEAD_KEY}; the head is written once "
-                             "(a different teacher needs a new cache)")
-        self.storage.put(HEAD_KEY, raw, durable=True)
+            if self.storage.get(HEAD_KEY) != raw:
+                raise CacheError(f"{self.url} already holds a different {HEAD_KEY}; the head is written once "
+                                 "(a different teacher needs a new cache)")
+        else:
+            self.storage.put(HEAD_KEY, raw, durable=True)
+        attrs = _root_attrs(self.storage)
+        if attrs is None:
+            raise NotACacheError(f"{self.url} has no zarr.json at its root: not a cache any more")
+        if attrs.get("head") != record:
+            self.storage.put("zarr.json", _group_json({ATTR_KEY: {**attrs, "head": record}}), durable=True)
 
     def has_head(self) -> bool:
         return self.storage.exists(HEAD_KEY)
 
+    def head_record(self) -> dict[str, int] | None:
+        """``{"crc32c", "nbytes"}`` of the head as recorded in the root metadata (None: not recorded)."""
+        attrs = _root_attrs(self.storage) or {}
+        return attrs.get("head")
+
+    def head_problem(self, raw: bytes | None) -> str | None:
+        """Why the head bytes ``raw`` (None: missing) cannot be trusted, or None."""
+        if raw is None:
+            return (f"{HEAD_KEY} is missing: extraction stores the teacher's embedding and lm_head there; rerun "
+                    "dflash-extract with the same config and --out (it writes the head and keeps the parts)")
+        rec = self.head_record()
+        if rec is None:
+            return (f"{HEAD_KEY} has no checksum in the root metadata (written by an older dflash-extract, or "
+                    "interrupted); rerun dflash-extract with the same config and --out to record it")
+        if len(raw) != int(rec["nbytes"]) or crc32c(raw) != int(rec["crc32c"]):
+            return (f"{HEAD_KEY} does not match its checksum in the root metadata ({len(raw)} bytes, recorded "
+                    f"{rec['nbytes']}): the file is damaged; delete it and rerun dflash-extract with the same "
+                    "config and --out to rewrite it")
+        return None
+
     def load_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(embed_tokens [V, H], lm_head [V, H])``; lm_head is the embedding when tied."""
-        if not self.storage.exists(HEAD_KEY):
-            raise CacheError(f"{self.url} has no {HEAD_KEY}: extraction stores the teacher's embedding and "
-                             "lm_head with cache.save_head(); re-run extraction's head step")
-        return decode_head(self.storage.get(HEAD_KEY))
+        """``(embed_tokens [V, H], lm_head [V, H])``; lm_head is the embedding when tied. The bytes are
+        checked against the checksum in the root metadata."""
+        try:
+            raw = self.storage.get(HEAD_KEY)
+        except FileNotFoundError:
+            raw = None
+        problem = self.head_problem(raw)
+        if problem is not None:
+            raise CacheCorruptError(f"{self.url}: {problem}", array=HEAD_KEY)
+        return decode_head(raw, self.spec)  # type: ignore[arg-type]
 
     def write_metadata(self, name: str, obj: Any) -> None:
         """Store a JSON document ``meta/<name>.json`` (one writer per name)."""
@@ -93,9 +124,11 @@ class FeatureCache:
 
     # -- parts ------------------------------------------------------------------------------------
 
-    def part_writer(self, bucket: int, name: str, meta: dict[str, Any] | None = None) -> PartWriter:
-        """A writer that owns part ``buckets/<bucket>/<name>/`` (names unique per bucket)."""
-        return PartWriter(self, bucket, name, meta)
+    def part_writer(self, bucket: int, name: str, meta: dict[str, Any] | None = None,
+                    lease: PartLease | None = None) -> PartWriter:
+        """A writer that owns part ``buckets/<bucket>/<name>/`` (names unique per bucket); it takes the
+        part's lease unless given it (see :class:`PartWriter`)."""
+        return PartWriter(self, bucket, name, meta, lease=lease)
 
     def _part_dirs(self) -> list[tuple[int, str]]:
         out = []
@@ -106,46 +139,78 @@ class FeatureCache:
         return out
 
     def parts(self) -> list[PartInfo]:
-        """Committed parts only, ordered by (bucket, name)."""
-        out = []
+        """Committed parts only, ordered by (bucket, name). Raises on the first unreadable commit record."""
+        parts, bad = self.scan_parts()
+        if bad:
+            raise bad[0]
+        return parts
+
+    def scan_parts(self) -> tuple[list[PartInfo], list[CacheCorruptError]]:
+        """``(committed parts, one error per part whose commit record cannot be trusted)``."""
+        out, bad = [], []
         for b, name in self._part_dirs():
             key = part_key(b, name)
             try:
                 raw = self.storage.get(f"{key}/{COMMIT}")
             except FileNotFoundError:
                 continue
-            info = PartInfo.from_record(raw, key)
+            try:
+                info = PartInfo.from_record(raw, key)
+            except CacheCorruptError as err:
+                bad.append(err)
+                continue
             if (info.bucket, info.name) != (b, name):
-                raise CacheCorruptError(f"part {key}: its commit record names {part_key(info.bucket, info.name)}; "
-                                        "a part directory was moved or copied", part=key, array=COMMIT)
+                bad.append(CacheCorruptError(f"part {key}: its commit record names {part_key(info.bucket, info.name)};"
+                                             " a part directory was moved or copied", part=key, array=COMMIT))
+                continue
             out.append(info)
-        return out
+        return out, bad
 
     def uncommitted(self) -> list[str]:
         """Keys (``buckets/<b>/<name>``) of part directories without a commit record."""
         return [part_key(b, n) for b, n in self._part_dirs() if not self.storage.exists(f"{part_key(b, n)}/{COMMIT}")]
 
-    def gc(self, min_age_s: float = 3600.0, dry_run: bool = False) -> list[str]:
+    def gc(self, min_age_s: float = LEASE_TIMEOUT_S, dry_run: bool = False) -> list[str]:
         """Remove uncommitted leftovers whose writer is gone. Returns the keys removed (or that would be).
 
-        A leftover is kept when its writer is a live process on this host, or (other hosts) when its
-        lease is younger than ``min_age_s``.
+        A leftover is kept while its lease is live: its writer runs in this pid namespace, or (other
+        hosts) refreshed its heartbeat within ``min_age_s``. A removal takes the part's lease first,
+        so it never races a writer that starts meanwhile, and never touches a committed part.
         """
         removed = []
         for key in self.uncommitted():
-            if _writer_alive(self.storage, key, min_age_s):
-                log.info("keeping %s: its writer is still running", key)
+            holder = live_holder(self.storage, key, min_age_s)
+            if holder is not None:
+                log.info("keeping %s: %s is writing it", key, holder.describe())
                 continue
-            if not dry_run:
-                self.storage.remove_tree(key)
+            if dry_run:
+                removed.append(key)
+                continue
+            try:
+                lease = acquire(self.storage, key, timeout_s=min_age_s)
+            except (LeaseHeldError, PartCommittedError):
+                continue
+            try:
+                lease.clear_leftovers()
+            except PartCommittedError:
+                lease.release()
+                continue
+            lease.release(remove_dir=True)
             removed.append(key)
         return removed
 
     # -- index and reads --------------------------------------------------------------------------
 
-    def index(self) -> CacheIndex:
-        """A fresh index of every committed sample, from the small arrays only."""
-        self._index = build_index(self.storage, self.parts())
+    def index(self, skip_corrupt: bool = False) -> CacheIndex:
+        """A fresh index of every committed sample, from the small arrays only. With ``skip_corrupt``
+        parts whose commit record or small arrays cannot be read are left out and listed in
+        ``index.skipped`` instead of raising."""
+        if not skip_corrupt:
+            self._index = build_index(self.storage, self.parts())
+            return self._index
+        parts, bad = self.scan_parts()
+        self._index = build_index(self.storage, parts, skip_corrupt=True)
+        self._index.skipped = [*bad, *self._index.skipped]
         return self._index
 
     def _positions(self, sample_ids: Sequence[int]) -> tuple[CacheIndex, np.ndarray]:
@@ -192,22 +257,6 @@ class FeatureCache:
     def read_tokens(self, part: PartInfo, start: int, stop: int) -> torch.Tensor:
         """Features of tokens ``[start, stop)`` of a part (a whole chunk range) as bf16 ``[L, n*H]``."""
         return self._readers.get(part).read_tokens(start, stop)
-
-
-def _writer_alive(storage: Storage, key: str, min_age_s: float) -> bool:
-    try:
-        lease = json.loads(storage.get(f"{key}/{LEASE}"))
-    except (FileNotFoundError, ValueError):
-        return False
-    if lease.get("host") == socket.gethostname():
-        try:
-            os.kill(int(lease["pid"]), 0)
-        except (ProcessLookupError, KeyError, ValueError):
-            return False
-        except PermissionError:
-            return True
-        return True
-    return time.time() - float(lease.get("started_unix", 0)) < min_age_s
 
 
 # -- create / open ---------------------------------------------------------------------------------
@@ -266,7 +315,15 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
     if chunk_tokens <= 0 or shard_tokens % chunk_tokens:
         raise CacheError(f"shard_tokens ({shard_tokens}) must be a positive multiple of chunk_tokens ({chunk_tokens})")
     storage = storage or make_storage(str(url))
+    if storage.root_is_file():
+        raise NotACacheError(f"{url} is a file, not a cache directory; point --out at a new path (a directory is "
+                             "created there) or at an existing cache")
     attrs = _root_attrs(storage) if storage.root_exists() else None
+    foreign = {n for n in storage.list_dir("") if not n.startswith(".")} - {"buckets", "zarr.json"}
+    if attrs is None and foreign:  # (hidden names: another creator's temporary files, mid-write)
+        attrs = _root_attrs(storage)  # another process may have just finished creating it
+        if attrs is None:
+            raise NotACacheError(f"{url} is a non-empty directory without a cache in it; choose a new or empty path")
     if attrs is not None:
         cache = _cache_from_attrs(storage, attrs)
         if cache.spec.fingerprint != spec.fingerprint:
@@ -274,14 +331,13 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
             raise SpecMismatchError(f"{url} was written with another spec: {describe_diff(cache.spec, spec)}. "
                                     "Use a new cache path, or change the config to match", fields=fields)
         return cache
-    if storage.root_exists() and set(storage.list_dir("")) - {"buckets", "zarr.json"}:
-        raise NotACacheError(f"{url} is a non-empty directory without a cache in it; choose a new or empty path")
     root = {"format_version": FORMAT_VERSION, "spec": spec.to_dict(), "fingerprint": spec.fingerprint,
             "layout": {"chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}}
     for b in range(spec.n_buckets):
         lo, hi = bucket_bounds(spec.bucket_edges, spec.max_length, b)
         storage.put(f"buckets/{b}/zarr.json", _group_json({"lo": lo, "hi": hi}))
     storage.put("buckets/zarr.json", _group_json({}))
-    storage.put("zarr.json", _group_json({ATTR_KEY: root}), durable=True)  # written last: now it is a cache
+    if _root_attrs(storage) is None:  # (a concurrent creator with the same spec may have been first)
+        storage.put("zarr.json", _group_json({ATTR_KEY: root}), durable=True)  # written last: now it is a cache
     log.info("created cache %s (codec %s, fingerprint %s)", url, spec.codec, spec.fingerprint)
     return FeatureCache(storage, spec, chunk_tokens, shard_tokens)

@@ -1,9 +1,22 @@
-"""``verify``: re-read every committed part and check it against its commit record."""
+"""``verify``: check everything a reader of the cache trusts.
+
+- the head (``head.safetensors``) against the checksum in the root metadata, and its shapes;
+- every committed part against its commit record (arrays, counts, offsets, checksums, finiteness);
+- the work units of the extraction: every part a unit's records name is committed and the unit
+  holds the samples its records count; an uncommitted part of a unit whose writer is gone means
+  the unit is incomplete (extraction was interrupted, or a commit record was lost);
+- the extraction's final report (``meta/extract_report.json``) against the committed samples;
+- no sample id in two places.
+
+Every problem is collected (one line per part, however many checks it fails); nothing stops at the
+first.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,22 +25,29 @@ import torch
 
 from .codecs import crc32c, u16_to_bf16
 from .errors import CacheCorruptError
-from .parts import PartInfo
+from .head import HEAD_KEY, decode_head
+from .lease import live_holder
+from .parts import COMMIT, PartInfo, part_key
 from .reader import ArrayReader, layouts_for
 from .storage import Storage
 from .store import FeatureCache, open_cache
 
 log = logging.getLogger(__name__)
 
+EXTRACT_REPORT = "meta/extract_report.json"
+_RERUN = "rerun dflash-extract with the same config and --out: it rewrites missing parts and keeps the others"
+_REWRITE = "delete the part's directory and rerun dflash-extract with the same config and --out to rewrite it"
+
 
 @dataclass
 class Problem:
-    part: str
+    part: str | None  # None: not a part (the head, the extraction report)
     array: str
     message: str
 
     def __str__(self) -> str:
-        return f"part {self.part}, array {self.array}: {self.message}"
+        where = f"part {self.part}, array {self.array}" if self.part is not None else self.array
+        return f"{where}: {self.message}"
 
 
 @dataclass
@@ -37,16 +57,29 @@ class VerifyReport:
     n_tokens: int = 0
     problems: list[Problem] = field(default_factory=list)
     uncommitted: list[str] = field(default_factory=list)
+    being_written: list[str] = field(default_factory=list)  # uncommitted parts whose writer is live
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    def add(self, part: str | None, array: str, message: str) -> None:
+        """Record a problem; a part already listed gets the message appended (each part is named once)."""
+        for p in self.problems:
+            if part is not None and p.part == part:
+                p.message += f"; also {array}: {message}"
+                return
+        self.problems.append(Problem(part, array, message))
+
     def summary(self) -> str:
         s = f"{self.n_parts} parts, {self.n_samples} samples, {self.n_tokens} tokens: "
         s += "all checks pass" if self.ok else f"{len(self.problems)} problem(s)"
-        if self.uncommitted:
-            s += f"; {len(self.uncommitted)} uncommitted leftover(s) (dflash-cache gc removes them)"
+        if self.being_written:
+            s += f"; {len(self.being_written)} part(s) being written by a live extraction"
+        listed = {p.part for p in self.problems}
+        left = len([k for k in self.uncommitted if k not in self.being_written and k not in listed])
+        if left:
+            s += f"; {left} uncommitted leftover(s) (dflash-cache gc removes them)"
         return s
 
 
@@ -137,37 +170,129 @@ def _check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> dict[s
     return small
 
 
+def _check_head(cache: FeatureCache, report: VerifyReport) -> None:
+    try:
+        raw = cache.storage.get(HEAD_KEY)
+    except FileNotFoundError:
+        raw = None
+    problem = cache.head_problem(raw)
+    if problem is None:
+        try:
+            decode_head(raw, cache.spec)  # type: ignore[arg-type]
+        except CacheCorruptError as err:
+            problem = str(err)
+    if problem is not None:
+        report.add(None, HEAD_KEY, problem)
+
+
+def _leftover_unit(storage: Storage, key: str) -> int | None:
+    """The work unit an uncommitted part belongs to (from its group attributes), if any."""
+    try:
+        meta = json.loads(storage.get(f"{key}/zarr.json")).get("attributes", {}).get("meta", {})
+        return int(meta["unit"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _check_units(cache: FeatureCache, parts: list[PartInfo], report: VerifyReport) -> None:
+    """Each unit's committed parts against the unit's own records (``unit_parts``, ``unit_buckets``,
+    ``unit_stats``), and uncommitted parts of units whose writer is gone."""
+    units: dict[int, list[PartInfo]] = defaultdict(list)
+    for p in parts:
+        if "unit" in p.meta:
+            units[int(p.meta["unit"])].append(p)
+    for u, mine in sorted(units.items()):
+        meta = mine[0].meta
+        want_parts = int(meta.get("unit_parts", len(mine)))
+        if len(mine) < want_parts:
+            have = {p.bucket for p in mine}
+            missing = [b for b in meta.get("unit_buckets", []) if b not in have]
+            msg = (f"work unit {u} is incomplete: {len(mine)} of its {want_parts} parts are committed and this "
+                   f"one has no commit record; {_RERUN}")
+            listed = {p.part for p in report.problems}
+            for b in missing:
+                if part_key(b, mine[0].name) not in listed:  # (an unreadable record is reported already)
+                    report.add(part_key(b, mine[0].name), COMMIT, msg)
+            if not missing:
+                report.add(mine[0].key, "meta", msg.replace("this one", "another (bucket unknown)"))
+            continue
+        want = (meta.get("unit_stats") or {}).get("n_samples")
+        got = sum(p.n_samples + int(p.meta.get("n_nonfinite", 0)) for p in mine)
+        if want is not None and got != int(want):
+            report.add(mine[0].key, "meta", f"work unit {u} holds {got} samples (non-finite skips included) but "
+                       f"its records count {want}; {_RERUN} after deleting the unit's part directories")
+    for key in report.uncommitted:
+        holder = live_holder(cache.storage, key)
+        if holder is not None:
+            report.being_written.append(key)
+            continue
+        u = _leftover_unit(cache.storage, key)
+        if u is not None and key not in {p.part for p in report.problems}:
+            report.add(key, COMMIT, f"work unit {u} is incomplete: this part has no commit record and no live "
+                       f"writer (the extraction stopped before committing it, or the record was lost); {_RERUN}")
+
+
+def _check_extract_report(cache: FeatureCache, parts: list[PartInfo], report: VerifyReport) -> None:
+    try:
+        rec = json.loads(cache.storage.get(EXTRACT_REPORT))
+    except FileNotFoundError:
+        return
+    except ValueError:
+        report.add(None, EXTRACT_REPORT, "not valid JSON; rerun dflash-extract with the same config and --out")
+        return
+    want = rec.get("samples_in_cache")
+    got = sum(p.n_samples for p in parts)
+    if want is not None and got < int(want):
+        report.add(None, EXTRACT_REPORT, f"the finished extraction counted {int(want)} samples in the cache, its "
+                   f"committed parts hold {got}: parts were removed or lost their commit record; {_RERUN}")
+
+
 def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool = True) -> VerifyReport:
-    """Check every committed part; raises :class:`CacheCorruptError` naming the first part and array at
-    fault (the message lists every problem) unless ``raise_on_error`` is False."""
+    """Check the cache (see the module docstring); raises :class:`CacheCorruptError` naming the first
+    part and array at fault (the message lists every problem) unless ``raise_on_error`` is False."""
     cache = open_cache(url, storage=storage)
     report = VerifyReport(uncommitted=cache.uncommitted())
+    _check_head(cache, report)
+    parts, bad_records = cache.scan_parts()
+    for err in bad_records:
+        report.add(err.part, err.array or COMMIT, _reason(err))
     seen: dict[int, str] = {}
-    for part in cache.parts():
+    for part in parts:
         report.n_parts += 1
         try:
             small = _check_part(cache.storage, cache, part)
         except _PartCheck as err:
-            report.problems.append(Problem(part.key, err.array, err.message))
+            report.add(part.key, err.array, f"{err.message}; {_REWRITE}")
             continue
         except CacheCorruptError as err:
-            report.problems.append(Problem(part.key, err.array or "?", str(err)))
+            report.add(part.key, err.array or "?", _reason(err))
             continue
         report.n_samples += part.n_samples
         report.n_tokens += part.n_tokens
         _check_duplicates(report, seen, small["sample_ids"], part.key)
+    _check_units(cache, parts, report)
+    if not any(p.part is not None for p in report.problems):  # (else those problems explain a shortfall)
+        _check_extract_report(cache, parts, report)
     if report.problems and raise_on_error:
         first = report.problems[0]
-        listing = "\n  ".join(str(p) for p in report.problems[:20])
-        raise CacheCorruptError(f"{url}: verify found {len(report.problems)} problem(s):\n  {listing}\n"
-                                "Re-extract the parts named (delete their directories first).",
+        listing = "\n  ".join(str(p) for p in report.problems)
+        raise CacheCorruptError(f"{url}: verify found {len(report.problems)} problem(s):\n  {listing}",
                                 part=first.part, array=first.array)
     return report
+
+
+def _reason(err: CacheCorruptError) -> str:
+    """A reader's error as a verify line: without the part/array prefix (the line names them) and with
+    verify's advice instead of the reader's."""
+    msg = str(err)
+    for prefix in (f"part {err.part}, array {err.array}: ", f"part {err.part}: "):
+        msg = msg.removeprefix(prefix)
+    return f"{msg.split('; run `dflash-cache verify`')[0]}; {_REWRITE}"
 
 
 def _check_duplicates(report: VerifyReport, seen: dict[int, str], ids: Any, key: str) -> None:
     for sid in ids.tolist():
         other = seen.setdefault(int(sid), key)
         if other != key:
-            report.problems.append(Problem(key, "sample_ids", f"sample id {sid} is also in part {other}"))
+            report.add(key, "sample_ids", f"sample id {sid} is also in part {other}")
             return

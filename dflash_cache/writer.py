@@ -1,18 +1,21 @@
 """The part writer: one writer owns one part, buffers one shard in memory and writes it whole.
 
+Ownership: a writer holds the part's lease (:mod:`dflash_cache.lease`) from start to commit, so no
+other process writes, clears or commits the same part meanwhile; the leftover of a dead writer is
+cleared by the next holder, and a part with a commit record is never touched again.
+
 Durability protocol: data arrays are written (whole shards, then the small arrays at commit), every
-file under the part is fsynced (local filesystems), then ``commit.json`` is written last, atomically
-and durably. Readers list parts that have a commit record only, so a writer killed at any moment
-leaves no visible part; its directory is an uncommitted leftover that ``gc`` removes.
+file under the part is fsynced (local filesystems), then ``commit.json`` is created last, atomically,
+exclusively and durably. Readers list parts that have a commit record only, so a writer killed at
+any moment leaves no visible part; its directory is an uncommitted leftover that the next writer of
+the part (or ``gc``) clears.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
-import socket
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +35,8 @@ from .codecs import (
     small_compressors,
 )
 from .errors import CacheError, DataError
-from .parts import COMMIT, LEASE, PartInfo, check_part_name, part_key
+from .lease import LEASE_TIMEOUT_S, LeaseLostError, PartCommittedError, PartLease, acquire
+from .parts import COMMIT, PartInfo, check_part_name, part_key
 
 if TYPE_CHECKING:
     from .store import FeatureCache
@@ -107,10 +111,13 @@ class _ShardedArray:
 class PartWriter:
     """Writes one part ``buckets/<bucket>/<name>/``. Use :meth:`add`, then :meth:`commit` (or :meth:`abort`).
 
-    As a context manager it commits on a clean exit and aborts on an exception.
+    As a context manager it commits on a clean exit and aborts on an exception. ``lease``: the part's
+    lease when the caller took it already (else the writer takes it, raising
+    :class:`~dflash_cache.lease.LeaseHeldError` when a live process writes the part).
     """
 
-    def __init__(self, cache: FeatureCache, bucket: int, name: str, meta: dict[str, Any] | None = None):
+    def __init__(self, cache: FeatureCache, bucket: int, name: str, meta: dict[str, Any] | None = None,
+                 lease: PartLease | None = None):
         spec = cache.spec
         if not 0 <= bucket < spec.n_buckets:
             raise CacheError(f"bucket {bucket} does not exist: this cache has buckets 0..{spec.n_buckets - 1}")
@@ -126,20 +133,19 @@ class PartWriter:
         self._tokens: dict[str, list[np.ndarray]] = {"input_ids": [], "loss_mask": [], "target_argmax": []}
         self._with_argmax: bool | None = None
         self._closed = False
-        self._start()
+        self._lease = lease if lease is not None else acquire(cache.storage, self.key)
+        try:
+            self._start()
+        except BaseException:
+            self._closed = True
+            self._lease.release()
+            raise
 
     # -- setup ------------------------------------------------------------------------------------
 
     def _start(self) -> None:
         st = self.cache.storage
-        if st.exists(f"{self.key}/{COMMIT}"):
-            raise CacheError(f"part {self.key} is already committed; a part is written once. Skip this work "
-                             "unit, or delete the part directory to rewrite it")
-        if st.list_dir(self.key):
-            log.info("removing the uncommitted leftover of part %s before rewriting it", self.key)
-            st.remove_tree(self.key)
-        lease = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix": time.time()}
-        st.put(f"{self.key}/{LEASE}", json.dumps(lease).encode())
+        self._lease.clear_leftovers()  # of a dead earlier writer; raises when the part is committed
         self._store = st.zarr_store(self.key)
         zarr.create_group(self._store, attributes={"bucket": self.bucket, "name": self.name, "meta": self.meta})
         d, n = self.cache.spec.feature_dim, self.cache.spec.n_layers
@@ -285,18 +291,33 @@ class PartWriter:
                         meta=self.meta, codec=self.codec.name, arrays=arrays,
                         chunk_tokens=self.cache.chunk_tokens, shard_tokens=self.cache.shard_tokens)
         record = json.dumps(info.to_record(self.cache.spec.fingerprint), indent=1).encode()
-        st.put(f"{self.key}/{COMMIT}", record, durable=True)  # the part is visible from here on
-        st.remove(f"{self.key}/{LEASE}")
+        if not self._lease.held():
+            self._closed = True
+            self._lease.release()
+            raise LeaseLostError(f"part {self.key} was taken over by another process while this one wrote it "
+                                 f"(no heartbeat for {LEASE_TIMEOUT_S:.0f} s?); this copy is dropped, the other "
+                                 "writer's stands")
+        if not st.create_exclusive(f"{self.key}/{COMMIT}", record, durable=True):  # visible from here on
+            self._closed = True
+            self._lease.release()
+            raise CacheError(f"part {self.key} was committed by another writer meanwhile; this copy is dropped")
+        self._lease.release()
         self._closed = True
         log.debug("committed part %s: %d samples, %d tokens", self.key, self.n_samples, self.n_tokens)
         return info
 
     def abort(self) -> None:
-        """Drop everything written so far; the part never becomes visible."""
+        """Drop everything written so far; the part never becomes visible. Removes nothing when the
+        lease was lost (the part is another writer's now) or the part is committed."""
         if self._closed:
             return
         self._closed = True
-        self.cache.storage.remove_tree(self.key)
+        if not self._lease.held():
+            self._lease.release()
+            return
+        with contextlib.suppress(PartCommittedError):
+            self._lease.clear_leftovers()
+        self._lease.release(remove_dir=True)
 
     def __enter__(self) -> PartWriter:
         return self

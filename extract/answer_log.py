@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.errors import DataError, DFlashError
+from dflash_cache.storage import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class AnswerLog:
             created = not self.path.exists()
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             if created:  # the new directory entry must survive a crash too
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
         except BaseException:
             self.lock.release()
             raise
@@ -186,11 +187,3 @@ class AnswerLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -3,7 +3,13 @@ pre-tokenized records (``input_ids`` + ``loss_mask``).
 
 Every record gets a stable ``sample_id``: its 0-based position in the dataset (bad records keep
 their id, so skipping them never shifts the others). Errors name ``file:line`` (JSONL) or
-``file#row`` (columnar formats).
+``file#row`` (columnar formats). A file that cannot be read at all (a corrupt Parquet file) is an
+error naming it, or with ``skip_bad`` a counted skip of the whole file.
+
+Tool calling is refused, not reshaped: a record with assistant ``tool_calls``, ``tool`` turns or a
+``tools`` list is a bad record (a counted skip with ``skip_bad``). Dropping the calls would leave
+empty assistant turns to train on, and the loss mask of a tool call depends on how each chat
+template renders it, which the masking here does not locate yet.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from .builtin_text import builtin_conversations, builtin_prompts
 log = logging.getLogger(__name__)
 
 BUILTIN_DATA = "builtin:tiny-chat"
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant")
+_TOOLS_REFUSED = ("tool-calling conversations are not supported: their calls would be dropped from the assistant "
+                  "turns; remove such records, or pass --skip-bad to skip them (they are counted)")
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 __all__ = ["BUILTIN_DATA", "Record", "LoadedData", "load_records", "load_conversations", "builtin_prompts"]
@@ -50,6 +58,7 @@ class LoadedData:
     n_total: int  # records seen, bad ones included (= next free sample id)
     bad: list[str] = field(default_factory=list)  # "source: reason" of skipped records
     fingerprint: str = ""
+    bad_files: list[str] = field(default_factory=list)  # "file: reason" of whole files skipped (skip_bad)
 
 
 def _normalize_content(content: Any, where: str) -> str:
@@ -71,6 +80,8 @@ def _parse_messages(raw: Any, where: str) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise DataError(f"{where}: message {i} is {type(m).__name__}, expected an object with role and content")
         role = m.get("role")
+        if role == "tool" or m.get("tool_calls") or m.get("function_call"):
+            raise DataError(f"{where}: message {i} is a tool call or a tool result ({_TOOLS_REFUSED})")
         if role not in ROLES:
             raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {list(ROLES)}")
         msg = {"role": role, "content": _normalize_content(m.get("content"), where)}
@@ -115,6 +126,8 @@ def parse_record(obj: Any, sample_id: int, where: str) -> Record:
         if not ids or any(v not in (0, 1) for v in mask) or min(ids) < 0:
             raise DataError(f"{where}: expected non-empty input_ids >= 0 and a 0/1 loss_mask")
         return Record(sample_id, where, input_ids=ids, loss_mask=mask)
+    if obj.get("tools"):
+        raise DataError(f"{where}: the record declares tools ({_TOOLS_REFUSED})")
     if obj.get("messages") is not None:
         return Record(sample_id, where, messages=_parse_messages(obj["messages"], where))
     if obj.get("conversations") is not None:
@@ -143,32 +156,55 @@ def _iter_table(table: Any, path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}#{i}", row
 
 
-def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+class UnreadableFileError(DataError):
+    """A whole data file cannot be read (corrupt, truncated, not the format its name says)."""
+
+
+def _unreadable(path: Path, kind: str, err: Exception) -> UnreadableFileError:
+    return UnreadableFileError(f"{path}: not a readable {kind} file ({type(err).__name__}: {err}); replace or remove "
+                               "it, or pass --skip-bad to skip the whole file (counted)")
+
+
+def _read_parquet(path: Path) -> Any:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    yield from _iter_table(pq.read_table(path), path)
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise _unreadable(path, "Parquet", err) from None
 
 
-def _iter_arrow_stream(path: Path) -> Iterator[tuple[str, Any]]:
+def _read_arrow(path: Path) -> Any:
     import pyarrow as pa
 
-    with pa.memory_map(str(path)) as source:
-        try:
-            table = pa.ipc.open_stream(source).read_all()
-        except pa.ArrowInvalid:
-            table = pa.ipc.open_file(source).read_all()
-    yield from _iter_table(table, path)
+    try:
+        with pa.memory_map(str(path)) as source:
+            try:
+                return pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pa.ipc.open_file(source).read_all()
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise _unreadable(path, "Arrow", err) from None
 
 
 def _hf_dataset_files(path: Path) -> list[Path]:
     """Arrow files of a ``Dataset.save_to_disk`` directory (the ``train`` split of a DatasetDict)."""
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        except (OSError, ValueError, AttributeError) as err:
+            raise DataError(f"{path / 'dataset_dict.json'}: not readable ({err}); re-save the dataset") from None
         if "train" not in splits:
             raise DataError(f"{path}: a DatasetDict without a 'train' split (found {splits}); point at one split")
         path = path / "train"
-    state = json.loads((path / "state.json").read_text())
-    return [path / f["filename"] for f in state.get("_data_files", [])]
+    try:
+        state = json.loads((path / "state.json").read_text())
+        return [path / f["filename"] for f in state.get("_data_files", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DataError(f"{path / 'state.json'}: not a readable saved-dataset state ({err}); re-save the dataset "
+                        "with Dataset.save_to_disk") from None
 
 
 def _data_files(path: Path) -> list[Path]:
@@ -183,10 +219,11 @@ def _data_files(path: Path) -> list[Path]:
 
 
 def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
+    """Records of one file. A columnar file is read whole first, so an unreadable one yields nothing."""
     if path.suffix == ".parquet":
-        return _iter_parquet(path)
+        return _iter_table(_read_parquet(path), path)
     if path.suffix == ".arrow":
-        return _iter_arrow_stream(path)
+        return _iter_table(_read_arrow(path), path)
     return _iter_jsonl(path)
 
 
@@ -194,9 +231,12 @@ def _file_fingerprint(files: list[Path]) -> str:
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode())
-        with p.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
+        try:
+            with p.open("rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+        except OSError as err:
+            raise DataError(f"{p}: cannot be read ({err.strerror}); check the file and its permissions") from None
     return h.hexdigest()[:16]
 
 
@@ -220,7 +260,15 @@ def load_records(path: str, skip_bad: bool = False) -> LoadedData:
     files = _data_files(root)
     out = LoadedData([], 0, fingerprint=_file_fingerprint(files))
     for file in files:
-        for where, obj in _iter_file(file):
+        try:
+            items = _iter_file(file)
+        except UnreadableFileError as err:
+            if not skip_bad:
+                raise
+            out.bad_files.append(str(err))
+            log.warning("skipped an unreadable file: %s", err)
+            continue
+        for where, obj in items:
             sample_id = out.n_total
             out.n_total += 1
             try:
@@ -232,7 +280,8 @@ def load_records(path: str, skip_bad: bool = False) -> LoadedData:
                     raise
                 out.bad.append(str(err))
     if out.n_total == 0:
-        raise DataError(f"data.path {path}: no records found (the file is empty); expected one conversation per line")
+        skipped = f" ({len(out.bad_files)} unreadable file(s) skipped)" if out.bad_files else " (the file is empty)"
+        raise DataError(f"data.path {path}: no records found{skipped}; expected one conversation per line")
     if out.bad:
         log.warning("skipped %d bad record(s); first: %s", len(out.bad), out.bad[0])
     return out

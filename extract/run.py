@@ -2,29 +2,42 @@
 
 Work units are contiguous ranges of ``extract.unit_size`` sample ids; process ``rank`` of ``world``
 takes units ``u % world == rank``. A unit writes one part per length bucket, named ``u<unit>``, with
-``{"unit", "unit_parts"}`` in its meta: a unit is done when all its parts are committed, so a rerun
-skips it, and the partial units of a killed run are recomputed with the same batches (bitwise
-identical output, whatever the number of processes).
+``{"unit", "unit_parts", "unit_buckets", "unit_stats"}`` in its meta: a unit is done when all its
+parts are committed, so a rerun skips it, and the partial units of a killed run are recomputed with
+the same batches (bitwise identical output, whatever the number of processes).
+
+Several jobs on one ``--out`` (a requeued job starting while the old one still runs) share the
+work: before running a unit a process leases every uncommitted part of it
+(:mod:`dflash_cache.lease`); a unit with a part leased by a live writer is put aside and retried
+after the others, so every job ends with the whole dataset. At the end each process re-checks every
+unit it counts against the commit records and exits 2 unless all of them are complete.
+
+Before the cache is created every record is tokenized once (unless ``--skip-bad``), so a data
+error is reported while the data can still be fixed and rerun into a fresh cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
-from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache.errors import CacheError, ConfigError, DataError
+from dflash_cache.lease import Holder, LeaseHeldError, PartCommittedError, PartLease, acquire
+from dflash_cache.parts import part_key
 from dflash_cache.runtime.config import config_to_dict, load_config
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.log import process_rank
 from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
+from dflash_cache.storage import storage_error
 
 from .batching import Batch, collate, plan_batches
 from .data import Record, load_records
@@ -51,6 +64,9 @@ from .writing import BackgroundWriter, RowJob
 
 log = logging.getLogger(__name__)
 
+WAIT_POLL_S = 2.0  # how often units leased by other processes are looked at again
+_WAIT_LOG_S = 60.0
+
 
 @dataclass
 class ExtractReport:
@@ -58,6 +74,10 @@ class ExtractReport:
 
     units_total: int = 0
     units_skipped: int = 0  # already complete in the cache
+    units_by_others: int = 0  # completed by another process while this one ran
+    units_complete: int = 0  # re-checked at the end against the commit records
+    units_incomplete: int = 0
+    samples_in_cache: int = 0  # committed samples of the units re-checked
     samples_written: int = 0
     tokens_written: int = 0
     parts_committed: int = 0
@@ -65,6 +85,7 @@ class ExtractReport:
     n_truncated: int = 0
     n_too_few_loss: int = 0
     n_bad: int = 0
+    n_bad_files: int = 0  # whole data files that could not be read (skipped with --skip-bad)
     n_nonfinite: int = 0
     tokens_real: int = 0
     tokens_computed: int = 0
@@ -83,10 +104,14 @@ class ExtractReport:
 
     def lines(self) -> list[str]:
         return [
-            f"units: {self.units_total} ({self.units_skipped} already complete)",
+            f"units: {self.units_total} ({self.units_skipped} already complete, {self.units_by_others} completed by "
+            "another process meanwhile)",
+            f"cache: {self.samples_in_cache} samples in {self.units_complete} complete units (re-checked against the "
+            "commit records)",
             f"written: {self.samples_written} samples, {self.tokens_written} tokens, {self.parts_committed} parts, "
             f"{human_bytes(self.bytes_written)}",
-            f"skipped: {self.n_bad} bad records, {self.n_too_few_loss} with too few loss tokens, "
+            f"skipped: {self.n_bad} bad records, {self.n_bad_files} unreadable files, {self.n_too_few_loss} with too "
+            "few loss tokens, "
             f"{self.n_nonfinite} non-finite; truncated to max_length: {self.n_truncated}",
             f"padding: {self.padding_fraction:.2%} of {self.tokens_computed} computed tokens",
             f"time: {self.wall_s:.1f} s wall, {self.forward_s:.1f} s teacher forward, {self.stall_s:.1f} s waiting "
@@ -128,17 +153,38 @@ def save_head(cache: Any, model: Any) -> None:
     cache.save_head(embed, None if tied else head)
 
 
-def open_output(ctx: Distributed, url: str, spec: CacheSpec, cfg: PipelineConfig, model: Any) -> Any:
-    """Rank 0 creates (or re-opens) the cache, clears leftovers, writes metadata and the head."""
+@contextlib.contextmanager
+def storage_errors(url: str, what: str) -> Iterator[None]:
+    """OSErrors (disk full, permissions, a file in the way) as CacheErrors naming the path and what to do."""
+    try:
+        yield
+    except OSError as err:
+        raise storage_error(err, url, what) from err
+
+
+def cache_exists(url: str) -> bool:
+    try:
+        open_cache(url)
+    except CacheError:
+        return False
+    return True
+
+
+def open_output(ctx: Distributed, url: str, spec: CacheSpec, cfg: PipelineConfig, model: Any,
+                check: Any = None) -> Any:
+    """Rank 0 creates (or re-opens) the cache, writes metadata and the head. ``check()`` runs on every
+    rank first when the cache does not exist yet (so bad data is refused before there is a cache)."""
+    if check is not None and not cache_exists(url):
+        check()
+    ctx.barrier()
     cache = None
     if ctx.rank == 0:
-        cache = create_cache(url, spec, chunk_tokens=cfg.cache.chunk_tokens, shard_tokens=cfg.cache.shard_tokens)
-        removed = cache.gc()
-        if removed:
-            log.info("discarded %d uncommitted part(s) of an earlier run", len(removed))
-        cache.write_metadata("config", config_to_dict(cfg))
-        if not cache.has_head():
-            save_head(cache, model)
+        with storage_errors(url, "creating the cache"):
+            cache = create_cache(url, spec, chunk_tokens=cfg.cache.chunk_tokens, shard_tokens=cfg.cache.shard_tokens)
+            cache.write_metadata("config", config_to_dict(cfg))
+        if not (cache.has_head() and cache.head_record() is not None):
+            with storage_errors(url, "writing the teacher head (head.safetensors)"):
+                save_head(cache, model)
     ctx.barrier()
     if cache is None:
         cache = open_cache(url)
@@ -165,11 +211,80 @@ def complete_units(cache: Any) -> set[int]:
     return {u for u, n in expected.items() if len(done[u]) == n}
 
 
+def check_units(cache: Any, units: Sequence[int], empty: set[int]) -> tuple[int, int, list[str]]:
+    """Re-check ``units`` against the commit records: ``(complete units, their samples, problems)``.
+
+    A unit is complete when every part its records name is committed and the parts hold the samples
+    its records count (non-finite skips included); ``empty`` units kept no sample (nothing to write).
+    """
+    by_unit: dict[int, list[Any]] = {}
+    for p in cache.parts():
+        if "unit" in p.meta:
+            by_unit.setdefault(int(p.meta["unit"]), []).append(p)
+    n_complete, n_samples, problems = 0, 0, []
+    for u in units:
+        if u in empty:
+            n_complete += 1
+            continue
+        parts = by_unit.get(u, [])
+        if not parts:
+            problems.append(f"unit {u}: no committed part")
+            continue
+        meta = parts[0].meta
+        held = sum(p.n_samples + int(p.meta.get("n_nonfinite", 0)) for p in parts)
+        want = int(meta["unit_stats"]["n_samples"])
+        if len(parts) != int(meta["unit_parts"]) or held != want:
+            problems.append(f"unit {u}: {len(parts)} of {meta['unit_parts']} parts committed, {held} of {want} "
+                            "samples")
+            continue
+        n_complete += 1
+        n_samples += sum(p.n_samples for p in parts)
+    return n_complete, n_samples, problems
+
+
 # -- the per-unit loop ---------------------------------------------------------------------------------
 
 
+@dataclass
+class PreparedUnit:
+    """A tokenized work unit, ready to be leased and run."""
+
+    unit: int
+    samples: list[TokenizedSample]
+    stats: TokenizeStats
+    buckets: dict[int, int]  # sample id -> bucket
+    meta: dict[str, Any]
+
+    @property
+    def part(self) -> str:
+        return f"u{self.unit:07d}"
+
+    @property
+    def unit_buckets(self) -> list[int]:
+        return list(self.meta["unit_buckets"])
+
+
+def tokenize_records(cfg: PipelineConfig, tokenizer: Any, vocab: int, records: list[Record],
+                     skip_bad: bool) -> tuple[list[TokenizedSample], TokenizeStats]:
+    d = cfg.data
+    return prepare_samples(records, tokenizer, template_options(cfg), d.max_length, min_loss_tokens(cfg),
+                           skip_bad=skip_bad, vocab_size=vocab)
+
+
+def check_records(cfg: PipelineConfig, tokenizer: Any, vocab: int, records: list[Record]) -> None:
+    """Tokenize every record once and refuse the lot when any is bad, listing the first few."""
+    t0 = time.perf_counter()
+    _, stats = tokenize_records(cfg, tokenizer, vocab, records, skip_bad=True)
+    log.info("checked %d records in %.1f s before creating the cache", len(records), time.perf_counter() - t0)
+    if stats.n_bad:
+        shown = "\n  ".join(stats.bad_examples[:5])
+        raise DataError(f"{stats.n_bad} of {len(records)} records cannot be tokenized (checked before creating the "
+                        f"cache); the first {min(stats.n_bad, 5)}:\n  {shown}\nFix them, or pass --skip-bad to skip "
+                        "such records (they are counted)")
+
+
 class UnitRunner:
-    """Tokenizes, batches, runs the teacher on and writes one work unit at a time."""
+    """Tokenizes, leases, batches, runs the teacher on and writes one work unit at a time."""
 
     def __init__(self, cfg: PipelineConfig, model: Any, tokenizer: Any, cache: Any, layer_ids: list[int],
                  writer: BackgroundWriter, progress: ExtractProgress, report: ExtractReport):
@@ -179,31 +294,74 @@ class UnitRunner:
         self.device = teacher_device(model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
+        self.empty_units: set[int] = set()  # units that kept no sample (nothing to write)
+        self.holders: dict[int, Holder] = {}  # units put aside: who holds them
 
     def tokenize(self, records: list[Record]) -> tuple[list[TokenizedSample], TokenizeStats]:
-        d = self.cfg.data
-        return prepare_samples(records, self.tokenizer, template_options(self.cfg), d.max_length,
-                               min_loss_tokens(self.cfg), skip_bad=d.skip_bad, vocab_size=self.vocab)
+        return tokenize_records(self.cfg, self.tokenizer, self.vocab, records, self.cfg.data.skip_bad)
 
-    def run_unit(self, unit: int, records: list[Record], done_buckets: set[int]) -> None:
+    def prepare(self, unit: int, records: list[Record]) -> PreparedUnit:
         samples, stats = self.tokenize(records)
-        self.report.n_truncated += stats.n_truncated
-        self.report.n_too_few_loss += stats.n_too_few_loss
-        self.report.n_bad += stats.n_bad
         buckets = {s.sample_id: self.cache.bucket_of(s.length) for s in samples}
         unit_buckets = sorted(set(buckets.values()))
-        meta = {"unit": unit, "unit_parts": len(unit_buckets), "unit_size": self.cfg.extract.unit_size,
-                "unit_stats": stats.as_dict(), "rank": self.rank, "world_size": self.world}
-        part = f"u{unit:07d}"
-        for group in plan_batches(samples, self.cfg.extract.tokens_per_batch, self.cfg.extract.max_batch_size,
+        meta = {"unit": unit, "unit_parts": len(unit_buckets), "unit_buckets": unit_buckets,
+                "unit_size": self.cfg.extract.unit_size, "unit_stats": stats.as_dict(), "rank": self.rank,
+                "world_size": self.world}
+        return PreparedUnit(unit, samples, stats, buckets, meta)
+
+    def try_run(self, prep: PreparedUnit) -> bool:
+        """Lease the unit's uncommitted parts and run it; False (nothing done) when a live process holds
+        one of them: try again later."""
+        if not prep.unit_buckets:
+            self.empty_units.add(prep.unit)
+            self._count(prep)
+            return True
+        leases: dict[int, PartLease] = {}
+        committed: set[int] = set()
+        try:
+            with storage_errors(self.cache.url, f"leasing the parts of unit {prep.unit}"):
+                for b in prep.unit_buckets:
+                    try:
+                        leases[b] = acquire(self.cache.storage, part_key(b, prep.part))
+                    except PartCommittedError:
+                        committed.add(b)
+        except LeaseHeldError as err:
+            for lease in leases.values():
+                lease.release(remove_dir=True)
+            if prep.unit not in self.holders:
+                log.debug("unit %d is being written by %s: put aside", prep.unit, err.holder.describe())
+            self.holders[prep.unit] = err.holder
+            return False
+        except BaseException:
+            for lease in leases.values():
+                lease.release(remove_dir=True)
+            raise
+        self.holders.pop(prep.unit, None)
+        if not leases:  # another process completed it meanwhile
+            self.report.units_by_others += 1
+            self.progress.add(samples=len(prep.samples))
+            return True
+        self._count(prep)
+        self.run_unit(prep, leases, committed)
+        return True
+
+    def _count(self, prep: PreparedUnit) -> None:
+        self.report.n_truncated += prep.stats.n_truncated
+        self.report.n_too_few_loss += prep.stats.n_too_few_loss
+        self.report.n_bad += prep.stats.n_bad
+
+    def run_unit(self, prep: PreparedUnit, leases: dict[int, PartLease], done_buckets: set[int]) -> None:
+        for b, lease in leases.items():
+            self.writer.adopt(b, prep.part, lease)
+        for group in plan_batches(prep.samples, self.cfg.extract.tokens_per_batch, self.cfg.extract.max_batch_size,
                                   self.cfg.extract.batch_overhead):
-            todo = [s for s in group if buckets[s.sample_id] not in done_buckets]
+            todo = [s for s in group if prep.buckets[s.sample_id] not in done_buckets]
             if todo:  # batches are planned over the whole unit so a partial redo computes identical features
-                self.run_batch(collate(group, self.pad_id), buckets, done_buckets, part, meta)
+                self.run_batch(collate(group, self.pad_id), prep.buckets, done_buckets, prep.part, prep.meta)
             self.progress.refresh()
-        for b in unit_buckets:
+        for b in prep.unit_buckets:
             if b not in done_buckets:
-                self.writer.submit_commit(b, part, meta)
+                self.writer.submit_commit(b, prep.part, prep.meta)
 
     def run_batch(self, batch: Batch, buckets: dict[int, int], done: set[int], part: str, meta: dict) -> None:
         ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, T]
@@ -224,7 +382,6 @@ class UnitRunner:
         self.report.tokens_real += batch.n_real
         self.report.tokens_computed += batch.n_computed
         self.progress.add(tokens=batch.n_real)
-
 
 def to_host(feats: torch.Tensor, argmax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """Start the device->host copy (bf16, pinned, async) and return ``(host, argmax, ready_event)``."""
@@ -270,15 +427,20 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
     if any(not r.pretokenized for r in data.records):
         check_chat_template(tokenizer)
     layer_ids = resolve_layer_ids(cfg.cache, num_decoder_layers(model))
-    cache = open_output(ctx, out_url, build_spec(cfg, model, tokenizer, layer_ids, data.fingerprint), cfg, model)
     unit_size = cfg.extract.unit_size
     n_units = -(-data.n_total // unit_size)
-    complete = complete_units(cache)
-    partial = committed_units(cache)
     by_unit = group_by_unit(data.records, unit_size)
-    mine = [u for u in range(n_units) if u % ctx.world_size == ctx.rank and u not in complete]
+    own = [u for u in range(n_units) if u % ctx.world_size == ctx.rank]
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    check = None if cfg.data.skip_bad else (
+        lambda: check_records(cfg, tokenizer, vocab, [r for u in own for r in by_unit.get(u, [])]))
+    spec = build_spec(cfg, model, tokenizer, layer_ids, data.fingerprint)
+    cache = open_output(ctx, out_url, spec, cfg, model, check)
+    complete = complete_units(cache)
+    mine = [u for u in own if u not in complete]
     todo_total = sum(len(by_unit.get(u, [])) for u in range(n_units) if u not in complete)
-    report = ExtractReport(units_total=n_units, units_skipped=len(complete), n_bad=len(data.bad) if ctx.rank == 0 else 0)
+    report = ExtractReport(units_total=n_units, units_skipped=len(complete), n_bad=len(data.bad) if ctx.rank == 0 else 0,
+                           n_bad_files=len(data.bad_files) if ctx.rank == 0 else 0)
     bar = ExtractProgress(ctx, todo_total, enabled=show)
     writer = BackgroundWriter(cache, cfg.extract.writer_threads, cfg.extract.max_inflight_bytes,
                               cfg.extract.on_nonfinite, on_commit=lambda info: bar.add(
@@ -290,8 +452,12 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
              n_units, len(complete))
     t_loop = time.perf_counter()
     try:
+        deferred = {}
         for u in mine:
-            runner.run_unit(u, by_unit.get(u, []), partial.get(u, set()))
+            prep = runner.prepare(u, by_unit.get(u, []))
+            if not runner.try_run(prep):
+                deferred[u] = prep
+        wait_for_others(runner, deferred)
         stats = writer.close()
         report.loop_s = time.perf_counter() - t_loop
     except BaseException:
@@ -302,8 +468,33 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
     report.samples_written, report.tokens_written = stats.n_samples, stats.n_tokens
     report.parts_committed, report.bytes_written = stats.n_parts, stats.bytes_written
     report.n_nonfinite, report.stall_s = stats.n_nonfinite, stats.stall_s
+    report.units_complete, report.samples_in_cache, problems = check_units(
+        cache, own, runner.empty_units)
+    report.units_incomplete = len(problems)
+    for line in problems[:20]:
+        log.error("incomplete after the run: %s", line)
     report.wall_s = time.perf_counter() - t_start
     return _finish(ctx, cache, report)
+
+
+def wait_for_others(runner: UnitRunner, deferred: dict[int, PreparedUnit]) -> None:
+    """Retry the units put aside (leased by other live processes) until each is committed by its
+    holder or, when a holder dies, by this process."""
+    if deferred:
+        holders = sorted({h.who for h in runner.holders.values()})
+        log.info("%d unit(s) were being written by other processes (%s) when this one reached them; waiting for "
+                 "them (a unit whose writer dies is taken over)", len(deferred), ", ".join(holders[:5]))
+    last_log = time.monotonic()
+    while deferred:
+        runner.writer.raise_if_failed()
+        time.sleep(WAIT_POLL_S)
+        for u in list(deferred):
+            if runner.try_run(deferred[u]):
+                del deferred[u]
+        if deferred and time.monotonic() - last_log > _WAIT_LOG_S:
+            last_log = time.monotonic()
+            held = ", ".join(f"{u} ({runner.holders[u].describe()})" for u in list(deferred)[:5] if u in runner.holders)
+            log.info("waiting for %d unit(s) being written by other processes: %s", len(deferred), held)
 
 
 def _finish(ctx: Distributed, cache: Any, report: ExtractReport) -> ExtractReport:
@@ -314,9 +505,13 @@ def _finish(ctx: Distributed, cache: Any, report: ExtractReport) -> ExtractRepor
     report.units_total, report.units_skipped = int(total["units_total"] / ctx.world_size), int(
         total["units_skipped"] / ctx.world_size)
     report.wall_s, report.forward_s, report.loop_s = own_wall, own_fwd, own_loop  # per-process, not sums
+    if report.units_incomplete:
+        raise CacheError(f"{report.units_incomplete} work unit(s) are not complete in {cache.url} after this run "
+                         f"({report.units_complete} are; the log names them); rerun the same command to finish them")
     if ctx.rank == 0:
-        cache.write_metadata("extract_report", {**report.counts(), "padding_fraction": report.padding_fraction,
-                                                "world_size": ctx.world_size})
+        with storage_errors(cache.url, "writing the extraction report"):
+            cache.write_metadata("extract_report", {**report.counts(), "padding_fraction": report.padding_fraction,
+                                                    "world_size": ctx.world_size})
     ctx.barrier()
     return report
 

@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dflash_cache.runtime.switches import env_switch
+
 log = logging.getLogger(__name__)
 
 TINY_VERSION = 2  # 2: the tokenizer declares <|mask|> as its mask token; more architectures
@@ -84,7 +86,7 @@ CHAT_TEMPLATE = (
 def default_tiny_dir(arch: str = DEFAULT_ARCH) -> Path:
     """``$DFLASH_HOME`` or ``$XDG_CACHE_HOME/dflash-pipeline`` (``~/.cache``), per builder version and
     architecture."""
-    root = os.environ.get("DFLASH_HOME")
+    root = env_switch("DFLASH_HOME")
     if root is None:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash-pipeline")
     suffix = "" if arch == DEFAULT_ARCH else f"-{arch}"

@@ -9,7 +9,6 @@ hit does the compute loop wait (counted as ``stall_s``).
 
 from __future__ import annotations
 
-import errno
 import logging
 import queue
 import threading
@@ -20,7 +19,8 @@ from typing import Any
 
 import torch
 
-from dflash_cache.errors import CacheError, DataError
+from dflash_cache.errors import DataError
+from dflash_cache.storage import storage_error
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class BackgroundWriter:
         self._inflight = 0
         self._error: BaseException | None = None
         self._writers: dict[tuple[int, str], Any] = {}
+        self._leases: dict[tuple[int, str], Any] = {}  # leases taken by the compute side, not yet opened
         self._queues: list[queue.Queue] = [queue.Queue() for _ in range(n_threads)]
         self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"dflash-writer-{i}", daemon=True)
                          for i, q in enumerate(self._queues)]
@@ -90,6 +91,11 @@ class BackgroundWriter:
             self._queues[i].put(("rows", features, argmax, ready, rs, ticket))
         if not by_thread:
             self._release(ticket)
+
+    def adopt(self, bucket: int, part: str, lease: Any) -> None:
+        """Hand over the lease of part ``(bucket, part)`` (taken before its unit runs) to its writer."""
+        with self._lock:
+            self._leases[(bucket, part)] = lease
 
     def submit_commit(self, bucket: int, part: str, meta: dict[str, Any]) -> None:
         """Commit part ``(bucket, part)`` after its queued rows (an empty part if none arrived)."""
@@ -117,6 +123,7 @@ class BackgroundWriter:
         for w in list(self._writers.values()):
             w.abort()
         self._writers.clear()
+        self._release_leases(lambda key: True)
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
@@ -148,6 +155,8 @@ class BackgroundWriter:
             try:
                 if self._error is None:
                     self._handle(item)
+            except OSError as err:  # disk full, permissions ...: a CacheError naming the part
+                self._fail(storage_error(err, self.cache.url, f"writing part {_item_part(item)}"))
             except BaseException as err:  # noqa: BLE001 - handed to the compute thread
                 self._fail(err)
             finally:
@@ -168,7 +177,9 @@ class BackgroundWriter:
     def _writer(self, bucket: int, part: str, meta: dict[str, Any]) -> Any:
         key = (bucket, part)
         if key not in self._writers:
-            self._writers[key] = self.cache.part_writer(bucket, part, meta)
+            with self._lock:
+                lease = self._leases.pop(key, None)
+            self._writers[key] = self.cache.part_writer(bucket, part, meta, lease=lease)
         return self._writers[key]
 
     def _write_row(self, features: torch.Tensor, argmax: torch.Tensor | None, r: RowJob) -> None:
@@ -182,23 +193,18 @@ class BackgroundWriter:
             with self._lock:
                 self.stats.n_nonfinite += 1
                 self.stats.nonfinite_ids.append(r.sample_id)
+            w.meta["n_nonfinite"] = int(w.meta.get("n_nonfinite", 0)) + 1  # in the commit record: the unit's count
             log.warning("sample %d: non-finite teacher features; skipped", r.sample_id)
             return
         labels = argmax[r.row, :t] if argmax is not None else None
-        try:
-            w.add(r.sample_id, r.input_ids, r.loss_mask, feats, target_argmax=labels)
-        except OSError as err:
-            raise _storage_error(err, w.key) from err
+        w.add(r.sample_id, r.input_ids, r.loss_mask, feats, target_argmax=labels)
         with self._lock:
             self.stats.n_samples += 1
             self.stats.n_tokens += t
 
     def _commit(self, bucket: int, part: str, meta: dict[str, Any]) -> None:
         w = self._writer(bucket, part, meta)
-        try:
-            info = w.commit()
-        except OSError as err:
-            raise _storage_error(err, w.key) from err
+        info = w.commit()
         del self._writers[(bucket, part)]
         with self._lock:
             self.stats.n_parts += 1
@@ -211,15 +217,24 @@ class BackgroundWriter:
             if self._error is None:
                 self._error = err
             self._lock.notify_all()
-        for key in [k for k in self._writers if self._thread_of(k[0]) == self._thread_index()]:
+        mine = self._thread_index()
+        for key in [k for k in self._writers if self._thread_of(k[0]) == mine]:
             self._writers.pop(key).abort()
+        self._release_leases(lambda key: self._thread_of(key[0]) == mine)
+
+    def _release_leases(self, which: Callable[[tuple[int, str]], bool]) -> None:
+        with self._lock:
+            keys = [k for k in self._leases if which(k)]
+            leases = [self._leases.pop(k) for k in keys]
+        for lease in leases:
+            lease.release(remove_dir=True)
 
     def _thread_index(self) -> int:
         return next(i for i, t in enumerate(self._threads) if t is threading.current_thread())
 
 
-def _storage_error(err: OSError, key: str) -> CacheError:
-    if err.errno == errno.ENOSPC:
-        return CacheError(f"disk full while writing part {key}: free space (or choose another --out) and rerun "
-                          "the same command; committed parts are kept and the run resumes where it stopped")
-    return CacheError(f"storage error while writing part {key}: {err}; rerun the same command to resume")
+def _item_part(item: tuple) -> str:
+    if item[0] == "rows":
+        rows = item[4]
+        return f"buckets/{rows[0].bucket}/{rows[0].part}" if rows else "?"
+    return f"buckets/{item[1]}/{item[2]}"

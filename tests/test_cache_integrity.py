@@ -223,10 +223,13 @@ def test_sigkilled_writer_leaves_no_visible_part(cache_dir, capsys):
     assert key not in [p.key for p in cache.parts()]  # ... but no visible part
     assert cache.uncommitted() == [key]
     assert len(cache.index()) == 40
-    assert verify_cache(str(cache_dir)).ok
+    report = verify_cache(str(cache_dir), raise_on_error=False)  # the unit it belonged to is incomplete
+    assert [(p.part, p.array) for p in report.problems] == [(key, "commit.json")]
+    assert "work unit 7 is incomplete" in report.problems[0].message
     assert cli_main(["gc", str(cache_dir)]) == 0
     assert key in capsys.readouterr().out
     assert not (cache_dir / key).exists() and open_cache(str(cache_dir)).uncommitted() == []
+    assert verify_cache(str(cache_dir)).ok
 
 
 def test_gc_keeps_a_live_writer(cache_dir):

@@ -45,6 +45,6 @@ def test_demo_trained_drafter_beats_untrained(tiny_teacher_dir, tmp_path):
     run = out / "run"
     steps = [r["step"] for r in read_metrics(run)]
     assert steps == list(range(1, len(steps) + 1))
-    assert any("eval/acceptance_length" in r for r in read_metrics(run))
+    assert any("eval/acceptance_length" in r for r in read_metrics(run, kind="eval"))
     assert find_latest(run) is not None
     assert (out / "regenerated.jsonl").stat().st_size > 0

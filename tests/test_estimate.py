@@ -81,7 +81,7 @@ def test_estimate_matches_the_measured_peak_of_real_training_steps(shape, data, 
     opt = build_optimizer(tcfg, model)
     sched = build_scheduler(tcfg, opt, total_steps=10)
     guard = SpikeGuard(GuardsConfig(window=16, min_history=4))
-    lm = LossModule(model, num_anchors, None)
+    lm = LossModule(model, num_anchors, None, chunk)  # the chunk the estimate is given
     nb = _batch(data["rows"], data["length"], data["docs"], shape.n_features * shape.hidden, shape.vocab)
     n_tokens = data["rows"] * data["length"]
     batch = Batch(features=nb.features, input_ids=nb.input_ids, loss_mask=nb.loss_mask, doc_ids=nb.doc_ids,
@@ -97,7 +97,7 @@ def test_estimate_matches_the_measured_peak_of_real_training_steps(shape, data, 
     flat = FlatBatch.of(batch)
     blocks = sample_anchors(flat.eligible, flat.docs, num_anchors, torch.Generator().manual_seed(2)).numel()
     step = StepShape(data["rows"] * data["length"], blocks, res.metrics["n_blocks"] * (shape.block_size - 1),
-                     data["length"] / data["docs"] / 2)
+                     data["length"] / data["docs"] / 2, rows=data["rows"])
     predicted = memory_estimate(shape, step, precision=Precision(compute_bytes=4, head_bytes=2, autocast=False),
                                 attention="sdpa", checkpointing=checkpointing, chunk_rows=chunk)
     ratio = predicted.device_peak / measured

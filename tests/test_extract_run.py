@@ -90,7 +90,9 @@ def test_end_to_end_into_a_fresh_cache(tiny_teacher_dir, reference, capsys):
     # a rerun is a no-op
     capsys.readouterr()
     assert _run(tiny_teacher_dir, out) == 0
-    assert f"units: {N // 8} ({N // 8} already complete)" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert f"units: {N // 8} ({N // 8} already complete," in out_text
+    assert f"cache: {N} samples in {N // 8} complete units" in out_text
     assert snapshot(out) == snap
 
 
@@ -99,7 +101,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tiny_teacher_dir, reference, t
     proc = subprocess.Popen(_subprocess_cmd(tiny_teacher_dir, out), cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while time.time() < deadline and not list(out.glob("buckets/*/*/writing.json")):  # first part started
+    while time.time() < deadline and not list(out.glob("buckets/*/*/lease.*.json")):  # first part started
         time.sleep(0.01)
     time.sleep(random.Random(0).uniform(0.0, 0.15))
     proc.send_signal(signal.SIGKILL)
@@ -141,7 +143,7 @@ def test_disk_full_then_resume_with_two_processes(tiny_teacher_dir, reference, t
     out = tmp_path / "cache"
     monkeypatch.setattr(writer_mod._ShardedArray, "flush", flaky_flush)
     assert _run(tiny_teacher_dir, out) == 2
-    assert "disk full while writing part" in capsys.readouterr().err
+    assert "no space left on the device (or over quota) while writing part" in capsys.readouterr().err
     monkeypatch.setattr(writer_mod._ShardedArray, "flush", real_flush)
     cache = open_cache(str(out))
     committed = {(p.bucket, p.name) for p in cache.parts()}

@@ -102,7 +102,7 @@ def test_train_under_accelerate_matches_torchrun(cache, tmp_path):
     a, b = read_metrics(torchrun), read_metrics(acc)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     for ra, rb in zip(a, b, strict=True):  # the same ranks, data and reductions: bitwise equal
-        assert (rb["loss"], rb["grad_norm"]) == (ra["loss"], ra["grad_norm"])
+        assert (rb["train/loss"], rb["train/grad_norm"]) == (ra["train/loss"], ra["train/grad_norm"])
 
 
 def test_accelerate_cpu_flag_with_several_processes_is_refused(tmp_path):

@@ -20,9 +20,10 @@ from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
 from dflash_cache.runtime.schema import LoaderConfig
 from dflash_cache.synthetic import make_synthetic_cache
 from train.loader import StreamingLoader
-from train.plan import holdout_mask
+from train.plan import holdout_mask, plan_from_index
 
 N = 240
+BLOCKS = {"num_anchors": 512, "block_size": 16}  # train.num_anchors, model.block_size (the defaults)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_each_sample_once_per_epoch_across_ranks(cache_url: str, world: int) -> 
     kept = np.sort(np.arange(N)[~holdout_mask(np.arange(N), 0.1)])
     per_rank = []
     for rank in range(world):
-        with StreamingLoader(cache, _cfg(), seed=1, world_size=world, rank=rank, max_epochs=2) as loader:
+        with StreamingLoader(cache, _cfg(), **BLOCKS, seed=1, world_size=world, rank=rank, max_epochs=2) as loader:
             per_rank.append(_run(loader, 2))
     assert len({len(r) for r in per_rank}) == 1
     for epoch in range(2):
@@ -71,7 +72,7 @@ def test_batches_hold_the_cache_samples_exactly(cache_url: str) -> None:
     cache = open_cache(cache_url)
     for packing in (False, True):
         cfg = _cfg(packing=packing, pack_row_tokens=512 if packing else None)
-        with StreamingLoader(cache, cfg, seed=0, max_epochs=1) as loader:
+        with StreamingLoader(cache, cfg, **BLOCKS, seed=0, max_epochs=1) as loader:
             batches = list(loader)
         assert max(b.padding_fraction for b in batches) < 0.5
         for b in batches[:6]:
@@ -95,11 +96,11 @@ def test_batches_hold_the_cache_samples_exactly(cache_url: str) -> None:
 
 def test_resume_mid_epoch_is_bitwise_and_skips_no_reads(cache_url: str) -> None:
     cache = open_cache(cache_url)
-    with StreamingLoader(cache, _cfg(), seed=5, max_epochs=2) as loader:
+    with StreamingLoader(cache, _cfg(), **BLOCKS, seed=5, max_epochs=2) as loader:
         full = _run(loader, 2)
     n0 = sum(b.epoch == 0 for b in full)
     cut = int(np.random.default_rng().integers(1, len(full) - 1))  # a random batch, any epoch
-    first = StreamingLoader(cache, _cfg(), seed=5, max_epochs=2)
+    first = StreamingLoader(cache, _cfg(), **BLOCKS, seed=5, max_epochs=2)
     got = []
     while len(got) < cut:
         for b in first:
@@ -116,7 +117,7 @@ def test_resume_mid_epoch_is_bitwise_and_skips_no_reads(cache_url: str) -> None:
         reads.append(list(ids))
         return cache.read_samples(ids)
 
-    resumed = StreamingLoader(cache, _cfg(), seed=5, max_epochs=2, read_fn=counting_read)
+    resumed = StreamingLoader(cache, _cfg(), **BLOCKS, seed=5, max_epochs=2, read_fn=counting_read)
     resumed.load_state_dict(state)
     rest = _run(resumed, 2)
     resumed.close()
@@ -127,30 +128,30 @@ def test_resume_mid_epoch_is_bitwise_and_skips_no_reads(cache_url: str) -> None:
 
 def test_resume_refuses_another_plan(cache_url: str) -> None:
     cache = open_cache(cache_url)
-    with StreamingLoader(cache, _cfg(), seed=5, max_epochs=1) as loader:
+    with StreamingLoader(cache, _cfg(), **BLOCKS, seed=5, max_epochs=1) as loader:
         next(iter(loader))
         state = loader.state_dict()
-    other = StreamingLoader(cache, _cfg(tokens_per_batch=2048), seed=5, max_epochs=1)
+    other = StreamingLoader(cache, _cfg(tokens_per_batch=2048), **BLOCKS, seed=5, max_epochs=1)
     other.load_state_dict(state)
     with pytest.raises(CacheError, match="differs from the checkpoint"):
         next(iter(other))
     other.close()
     with pytest.raises(ConfigError, match="seed"):
-        StreamingLoader(cache, _cfg(), seed=6).load_state_dict(state)
+        StreamingLoader(cache, _cfg(), **BLOCKS, seed=6).load_state_dict(state)
 
 
 _CHILD = """
 import sys
 from dflash_cache import open_cache
-from tests.test_loader import _cfg, _digest, _run
+from tests.test_loader import BLOCKS, _cfg, _digest, _run
 from train.loader import StreamingLoader
-with StreamingLoader(open_cache(sys.argv[1]), _cfg(packing=True, num_readers=3), seed=9, max_epochs=2) as ld:
+with StreamingLoader(open_cache(sys.argv[1]), _cfg(packing=True, num_readers=3), **BLOCKS, seed=9, max_epochs=2) as ld:
     print(_digest(_run(ld, 2)))
 """
 
 
 def test_identical_batches_in_another_process(cache_url: str) -> None:
-    with StreamingLoader(open_cache(cache_url), _cfg(packing=True, num_readers=1), seed=9, max_epochs=2) as ld:
+    with StreamingLoader(open_cache(cache_url), _cfg(packing=True, num_readers=1), **BLOCKS, seed=9, max_epochs=2) as ld:
         here = _digest(_run(ld, 2))
     there = subprocess.run([sys.executable, "-c", _CHILD, cache_url], capture_output=True, text=True, check=True,
                            cwd=Path(__file__).parent.parent).stdout.strip()
@@ -180,7 +181,7 @@ def _timed_epoch(cache, readers: int, slow: float, cap: int, epochs: int = 1
     """Run ``epochs`` epochs; returns the consumer's delivery times (from the start), reads, in-flight bytes."""
     reads = _TimedReads(cache, 0.03, slow)
     inflight, delivered = [], []
-    with StreamingLoader(cache, _cfg(num_readers=readers, max_buffer_bytes=cap), seed=2, max_epochs=epochs,
+    with StreamingLoader(cache, _cfg(num_readers=readers, max_buffer_bytes=cap), **BLOCKS, seed=2, max_epochs=epochs,
                          read_fn=reads) as loader:
         t0 = time.perf_counter()
         for _ in range(epochs):
@@ -233,9 +234,9 @@ def test_corrupt_part_errors_or_is_quarantined(tmp_path: Path) -> None:
     cache = open_cache(url)
     idx = cache.index()
     bad_ids = set(idx.sample_ids[np.array([idx.parts[p].key == bad for p in idx.part])].tolist())
-    with pytest.raises(CacheCorruptError, match=bad), StreamingLoader(cache, _cfg(holdout_fraction=0.0), seed=0) as ld:
+    with pytest.raises(CacheCorruptError, match=bad), StreamingLoader(cache, _cfg(holdout_fraction=0.0), **BLOCKS, seed=0) as ld:
         list(ld)
-    with StreamingLoader(cache, _cfg(holdout_fraction=0.0, on_corrupt="skip"), seed=0, max_epochs=2) as loader:
+    with StreamingLoader(cache, _cfg(holdout_fraction=0.0, on_corrupt="skip"), **BLOCKS, seed=0, max_epochs=2) as loader:
         batches = _run(loader, 2)
         assert loader.counters.quarantined_parts == [bad]
         assert loader.counters.dropped_samples > 0
@@ -258,7 +259,7 @@ def test_live_mode_picks_up_a_part_committed_during_the_run(tmp_path: Path, capl
     cfg = _cfg(live=True, live_poll_s=0.05, holdout_fraction=0.0)
     writer = threading.Thread(target=extract_more)
     caplog.set_level(logging.INFO, logger="train.loader")
-    with StreamingLoader(open_cache(url), cfg, seed=0, max_epochs=2) as loader:
+    with StreamingLoader(open_cache(url), cfg, **BLOCKS, seed=0, max_epochs=2) as loader:
         writer.start()
         first = list(loader)
         second = list(loader)
@@ -275,30 +276,30 @@ def test_live_mode_picks_up_a_part_committed_during_the_run(tmp_path: Path, capl
 def test_clear_errors(tmp_path: Path, cache_url: str) -> None:
     empty = create_cache(str(tmp_path / "empty"), open_cache(cache_url).spec)
     with pytest.raises(CacheError, match="no committed parts"):
-        StreamingLoader(empty, _cfg(), seed=0)
+        StreamingLoader(empty, _cfg(), **BLOCKS, seed=0)
     with pytest.raises(ConfigError, match="tokens_per_batch"):
-        StreamingLoader(open_cache(cache_url), _cfg(tokens_per_batch=100), seed=0)
+        StreamingLoader(open_cache(cache_url), _cfg(tokens_per_batch=100), **BLOCKS, seed=0)
     with pytest.raises(ConfigError, match="agree_parts"):
-        StreamingLoader(open_cache(cache_url), _cfg(live=True), seed=0, world_size=2)
+        StreamingLoader(open_cache(cache_url), _cfg(live=True), **BLOCKS, seed=0, world_size=2)
 
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_decoding_into_batches_equals_collating_read_samples(cache_url: str, packing: bool) -> None:
     cache = open_cache(cache_url)
     cfg = _cfg(packing=packing, pack_row_tokens=512 if packing else None)
-    with StreamingLoader(cache, cfg, seed=4, max_epochs=2) as direct:
+    with StreamingLoader(cache, cfg, **BLOCKS, seed=4, max_epochs=2) as direct:
         a = _digest(_run(direct, 2))
-    with StreamingLoader(cache, cfg, seed=4, max_epochs=2, read_fn=cache.read_samples) as collated:
+    with StreamingLoader(cache, cfg, **BLOCKS, seed=4, max_epochs=2, read_fn=cache.read_samples) as collated:
         b = _digest(_run(collated, 2))
     assert a == b
 
 
 def test_batch_buffers_are_reused_only_once_released(cache_url: str) -> None:
     cache = open_cache(cache_url)
-    with StreamingLoader(cache, _cfg(num_readers=1), seed=6, max_epochs=1) as loader:
+    with StreamingLoader(cache, _cfg(num_readers=1), **BLOCKS, seed=6, max_epochs=1) as loader:
         on_arrival = [_digest([b]) for b in loader]  # each batch dropped before the next is taken
         assert loader._pool.reused > 0
-    with StreamingLoader(cache, _cfg(num_readers=1), seed=6, max_epochs=1) as loader:
+    with StreamingLoader(cache, _cfg(num_readers=1), **BLOCKS, seed=6, max_epochs=1) as loader:
         kept = list(loader)  # every batch held: no buffer may be refilled under them
         assert loader._pool.reused == 0
     assert [_digest([b]) for b in kept] == on_arrival
@@ -329,3 +330,41 @@ def test_buffer_pool_waits_for_views_and_device_copies() -> None:
     event.done = True
     assert pool.batch_tensors(2, 8, 16)["features"].data_ptr() == ptr
     assert pool.take(8192).numel() == 8192  # larger than a slot: unpooled memory
+
+
+def test_each_epoch_is_planned_once_and_counted_plans_are_read(cache_url: str, monkeypatch) -> None:
+    from train import plan as plan_mod
+
+    calls = []
+    real = plan_mod.Planner.plan
+    monkeypatch.setattr(plan_mod.Planner, "plan", lambda self, epoch, **kw: calls.append(epoch) or real(self, epoch, **kw))
+    cache = open_cache(cache_url)
+    with StreamingLoader(cache, _cfg(), **BLOCKS, seed=3, max_epochs=3) as loader:
+        lengths = loader.epoch_lengths(3)
+        batches = _run(loader, 3)
+    assert calls == [0, 1, 2], "every epoch's plan is built once: the counted plans are the ones read"
+    assert [sum(b.epoch == e for b in batches) for e in range(3)] == lengths
+    estimate = plan_from_index(cache.index(), _cfg(), seed=3, epoch=1, **BLOCKS)  # what `estimate` plans
+    assert [cache.index().sample_ids[b.positions].tolist() for b in estimate.batches] == \
+        [b.sample_ids.tolist() for b in batches if b.epoch == 1]
+
+
+def test_the_block_budget_bounds_the_objective_blocks(cache_url: str) -> None:
+    from train.objective import FlatBatch, sample_anchors
+
+    anchors, block = 8, 16
+    budget = 5 * (anchors * block)  # at most 5 documents of >= 9 tokens per batch; 1024 tokens would hold ~10
+    cache = open_cache(cache_url)
+    with StreamingLoader(cache, _cfg(max_block_positions=budget), seed=1, num_anchors=anchors, block_size=block,
+                         max_epochs=1) as loader:
+        batches = list(loader)
+    with StreamingLoader(cache, _cfg(), seed=1, num_anchors=anchors, block_size=block, max_epochs=1) as free:
+        assert len(list(free)) < len(batches)
+    kept = np.sort(np.arange(N)[~holdout_mask(np.arange(N), 0.1)])
+    np.testing.assert_array_equal(np.sort(np.concatenate([b.sample_ids.numpy() for b in batches])), kept)
+    for b in batches:
+        flat = FlatBatch.of(b)
+        drawn = sample_anchors(flat.eligible, flat.docs, anchors, torch.Generator().manual_seed(b.seed))
+        lengths = (b.doc_ids.unsqueeze(-1) == torch.arange(int(b.doc_ids.max()) + 1)).sum(1)  # [R, D]
+        bound = int((torch.clamp(lengths[lengths > 0] - 1, max=anchors) * block).sum())
+        assert len(drawn) * block <= bound <= budget

@@ -23,7 +23,8 @@ def test_train_on_gpu_with_bf16_autocast_and_resume(tmp_path):
 
     def cfg(steps: int):
         return load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", ["model.mask_token_id=511", "metrics.progress_bar=false",
-                                                 f"train.max_steps={steps}", "checkpoint.every_steps=3"])
+                                                 f"train.max_steps={steps}", "checkpoint.every_steps=3",
+                                                 "checkpoint.allow_config_change=true"])
 
     result = train(cfg(6), cache, tmp_path / "run")
     assert result.step == 6 and result.skipped == 0
@@ -32,4 +33,4 @@ def test_train_on_gpu_with_bf16_autocast_and_resume(tmp_path):
     train(cfg(9), cache, tmp_path / "run")
     recs = read_metrics(tmp_path / "run")
     assert [r["step"] for r in recs] == list(range(1, 10))
-    assert all(math.isfinite(r["loss"]) for r in recs)
+    assert all(math.isfinite(r["train/loss"]) for r in recs)

@@ -8,6 +8,7 @@ another optimizer refused, TensorBoard continuity, 2-process DDP.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -60,7 +61,7 @@ def _run(cache: str, run: Path, *overrides: str, expect: int = 0, **env: str) ->
 
 
 def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run)}
+    return {r["step"]: r["train/loss"] for r in read_metrics(run)}
 
 
 def _tb_steps(run: Path, tag: str = "train/loss") -> list[int]:
@@ -84,7 +85,9 @@ def test_full_run_artifacts_then_sigkill_resume_is_bitwise_exact(cache, tmp_path
     _run(cache, straight, "train.max_steps=16", "checkpoint.every_steps=4")
     ref = _losses(straight)
     assert sorted(ref) == list(range(1, 17))
-    assert sorted(p.name for p in straight.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "tensorboard"]
+    assert sorted(p.name for p in straight.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "tensorboard",
+                                                          "trainer.lock"]
+    assert json.loads((straight / "trainer.lock").read_text())["released"] is True
     assert [s for s, _ in list_checkpoints(straight)] == [12, 16]  # keep_last = 2
     latest = read_checkpoint(find_latest(straight))
     assert latest.step == 16 and latest.config["train"]["max_steps"] == 16
@@ -135,17 +138,22 @@ def test_each_recipe_resumes_bitwise_after_sigkill(cache, tmp_path, optimizer, w
     assert max(_losses(run)) < 8, "the run finished before it could be killed"
     _run(cache, run, *recipe)
     assert _losses(run) == ref  # bitwise: optimizer state (Muon momentum, AdamW moments) and schedule restored
-    # continuing under the other optimizer choice is refused
+    # continuing under the other optimizer choice is refused, as a config change and, when config changes are
+    # allowed, because the optimizer state cannot carry over
     other = "adamw" if optimizer == "muon" else "muon"
     proc = _run(cache, run, *recipe, f"train.optimizer={other}", "train.max_steps=10", expect=2)
+    assert f'train.optimizer: "{optimizer}" -> "{other}"' in proc.stderr
+    proc = _run(cache, run, *recipe, f"train.optimizer={other}", "train.max_steps=10",
+                "checkpoint.allow_config_change=true", expect=2)
     assert "holds the state of optimizer(s) " + ("muon+adamw" if optimizer == "muon" else "adamw") in proc.stderr
-    assert "train.optimizer" in proc.stderr
+    assert "cannot be carried to another train.optimizer" in proc.stderr
 
 
 def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(cache, tmp_path):
     run = tmp_path / "run"
     rng = random.Random(0)
-    overrides = ("train.max_steps=1000", "checkpoint.every_steps=2", "checkpoint.keep_last=2")
+    overrides = ("train.max_steps=1000", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+                 "checkpoint.allow_config_change=true")  # the first run below is shorter
     _run(cache, run, "train.max_steps=2", *overrides[1:])  # one committed checkpoint to fall back on
     kills_mid_save = 0
     for _ in range(10):
@@ -174,11 +182,12 @@ def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path, optimizer):
          DFLASH_TEST_FAULTS='{"nan_steps": [5], "spike_steps": [9]}')
     recs = {r["step"]: r for r in read_metrics(run)}
     assert sorted(recs) == list(range(1, 11))
-    assert recs[5]["skipped"] == 1 and recs[5]["skip_reason"] == "nonfinite_loss" and recs[5]["loss"] == "nan"
-    assert recs[9]["skipped"] == 1 and recs[9]["skip_reason"] == "grad_norm_spike"
-    assert recs[9]["loss"] > 1e5 and recs[9]["skipped_sample_ids"]
-    assert [s for s, r in recs.items() if r["skipped"]] == [5, 9]
-    assert recs[10]["skipped_total"] == 2
+    assert recs[5]["train/skipped"] == 1 and recs[5]["train/skip_reason"] == "nonfinite_loss"
+    assert recs[5]["train/loss"] == "nan"
+    assert recs[9]["train/skipped"] == 1 and recs[9]["train/skip_reason"] == "grad_norm_spike"
+    assert recs[9]["train/loss"] > 1e5 and recs[9]["train/skipped_sample_ids"]
+    assert [s for s, r in recs.items() if r["train/skipped"]] == [5, 9]
+    assert recs[10]["train/skipped_total"] == 2
     ckpts = dict(list_checkpoints(run))
     for bad in (5, 9):
         before, after = read_checkpoint(ckpts[bad - 1]), read_checkpoint(ckpts[bad])
@@ -221,7 +230,7 @@ def test_sigterm_saves_and_rerun_resumes(cache, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     last = max(_losses(run))
     assert find_latest(run).name == f"step-{last:08d}" and "Rerun the same command" in err
-    _run(cache, run, "train.max_steps=" + str(last + 2), "checkpoint.every_steps=500")
+    _run(cache, run, "train.max_steps=" + str(last + 2), "checkpoint.every_steps=500", "checkpoint.allow_config_change=true")
     assert [r["step"] for r in read_metrics(run)] == list(range(1, last + 3))
 
 
@@ -237,21 +246,24 @@ def test_resume_on_another_cache_is_refused_unless_overridden(cache, tmp_path):
     assert "codec" in proc.stderr and "ignore_fingerprint_mismatch" in proc.stderr
     proc = _run(cache, run, "train.max_steps=4", "checkpoint.resume=false", expect=2)
     assert "already holds checkpoints" in proc.stderr
-    _run(other, run, "train.max_steps=4", "checkpoint.ignore_fingerprint_mismatch=true")
+    _run(other, run, "train.max_steps=4", "checkpoint.ignore_fingerprint_mismatch=true",
+         "checkpoint.allow_config_change=true")
     assert max(_losses(run)) == 4
 
 
 def test_ddp_two_gloo_processes_match_single_process(cache, tmp_path):
     common = ("train.num_anchors=512",)  # every eligible anchor: no dependence on per-rank batch seeds
     single = tmp_path / "single"
+    extend = "checkpoint.allow_config_change=true"  # the resumed part raises max_steps
     for steps in (2, 3):  # the same 2 + resumed 1 steps as the DDP run below (max_steps shapes the schedule)
-        _run(cache, single, *common, "train.grad_accum=2", f"train.max_steps={steps}", "checkpoint.every_steps=2")
+        _run(cache, single, *common, "train.grad_accum=2", f"train.max_steps={steps}", "checkpoint.every_steps=2",
+             extend)
     ddp = tmp_path / "ddp"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                 str(29500 + os.getpid() % 1000)]
     # 2 steps with a checkpoint, then the same command resumed to step 3: each rank its own loader state
     for steps in (2, 3):
-        args = _cmd(cache, ddp, *common, f"train.max_steps={steps}", "checkpoint.every_steps=2")[1:]
+        args = _cmd(cache, ddp, *common, f"train.max_steps={steps}", "checkpoint.every_steps=2", extend)[1:]
         proc = subprocess.run([*torchrun, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert [len(x) for x in read_checkpoint(find_latest(ddp)).state["loader"]] == [len(
@@ -259,8 +271,8 @@ def test_ddp_two_gloo_processes_match_single_process(cache, tmp_path):
     a, b = read_metrics(single), read_metrics(ddp)
     assert [r["step"] for r in b] == [1, 2, 3]
     for ra, rb in zip(a, b, strict=True):
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
-        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+        assert rb["train/loss"] == pytest.approx(ra["train/loss"], rel=1e-5)
+        assert rb["train/grad_norm"] == pytest.approx(ra["train/grad_norm"], rel=1e-4)
     # one checkpoint, written once, with weights matching the single-process run
     wa, wb = read_checkpoint(find_latest(single)).model, read_checkpoint(find_latest(ddp)).model
     for k in wa:
@@ -274,7 +286,7 @@ def test_periodic_heldout_eval_is_logged_and_keeps_resume_exact(cache, tmp_path)
     _run(cache, straight, *every)
     with_eval = tmp_path / "with_eval"
     _run(cache, with_eval, *every, "eval.every_steps=2")
-    records = {r["step"]: r for r in read_metrics(with_eval)}
+    records = {r["step"]: r for r in read_metrics(with_eval, kind="eval")}
     assert sorted(s for s, r in records.items() if "eval/acceptance_length" in r) == [2, 4, 6]
     assert all(records[s]["eval/n_blocks"] > 0 and records[s]["eval/acceptance_length"] >= 1.0 for s in (2, 4, 6))
     assert "eval/acceptance_length" in _tb_tags(with_eval)

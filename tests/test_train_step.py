@@ -12,7 +12,7 @@ import torch
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
-from train.build import LossModule, build_optimizer, build_scheduler, lr_lambda
+from train.build import LossModule, build_loss_module, build_optimizer, build_scheduler, lr_lambda
 from train.estimate import DrafterShape, optimizer_state_bytes
 from train.guards import SpikeGuard
 from train.model import DFlashConfig, DFlashDrafter
@@ -166,3 +166,22 @@ def test_muon_state_round_trips_bitwise():
         assert torch.equal(p, q), n
     with pytest.raises(ValueError, match="parts"):
         opt2.load_state_dict({"adamw": opt.parts["adamw"].state_dict()})
+
+
+def test_the_trainers_loss_module_uses_train_logits_chunk_rows(monkeypatch):
+    # the knob `dflash-train estimate` names to lower the loss head's memory must reach the loss head
+    import train.objective as objective
+
+    seen: list[int] = []
+    real = objective.chunked_cross_entropy
+
+    def spy(hidden, weight, targets, chunk):
+        seen.append(chunk)
+        return real(hidden, weight, targets, chunk)
+
+    monkeypatch.setattr(objective, "chunked_cross_entropy", spy)
+    model = _drafter()
+    tcfg = TrainConfig(num_anchors=4, logits_chunk_rows=3)
+    loss, _ = build_loss_module(tcfg, model, Distributed())(_batch(1))
+    loss.backward()
+    assert seen == [3]

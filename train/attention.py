@@ -18,8 +18,10 @@ Block ``n`` is anchored at flat context index ``anchors[n]`` and occupies docume
 
 No query row is ever fully masked: each block row sees at least itself.
 
-:class:`BlockLayout` describes the blocks of one batch once; each layer asks it for a dense boolean
-mask (SDPA, CPU and tests) or a FlexAttention ``BlockMask`` (GPU). Both encode the same predicate.
+:class:`BlockLayout` describes the blocks of one batch once; each layer asks it for a FlexAttention
+``BlockMask`` (GPU: masked tiles are skipped) or, for SDPA (CPU), one dense additive mask per row of the batch:
+a block only ever sees its own row, so SDPA runs row by row over ``[row context | row's blocks]`` instead of
+densely over the whole flattened batch. Both encode the same predicate (:meth:`BlockLayout.dense`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,29 @@ class BlockLayout:
     ctx_doc: Tensor
     ctx_pos: Tensor
     block_size: int
+    row_tokens: int | None = None  # T: the context is R rows of T positions (None: one row)
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def row_segments(self) -> list[tuple[int, int, int]]:
+        """``(row, first block, end block)`` per row holding blocks (anchors are sorted: a row's are contiguous)."""
+        if "segments" not in self._cache:
+            T = self.row_tokens or self.context_len
+            rows = (self.anchors // T).tolist()
+            out, start = [], 0
+            for end in range(1, len(rows) + 1):
+                if end == len(rows) or rows[end] != rows[start]:
+                    out.append((rows[start], start, end))
+                    start = end
+            self._cache["segments"] = out
+        return self._cache["segments"]
+
+    def to(self, device: torch.device) -> BlockLayout:
+        """The layout on ``device``; its row segments are worked out where the anchors are now (no copy back)."""
+        segments = self.row_segments()
+        moved = BlockLayout(self.anchors.to(device), self.ctx_doc.to(device), self.ctx_pos.to(device),
+                            self.block_size, self.row_tokens)
+        moved._cache["segments"] = segments
+        return moved
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +135,22 @@ class BlockLayout:
             allowed = _dense_mask(self, within_block, window)
             self._cache[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
                 ~allowed, float("-inf"))
+        return self._cache[key]
+
+    def row_masks(self, within_block: WithinBlock, window: int | None, dtype: torch.dtype
+                  ) -> list[tuple[int, int, int, int, Tensor]]:
+        """Per row holding blocks: ``(context start, context end, first block, end block, additive mask
+        [1, 1, Q_r, T + Q_r])``, cached per layer kind. Blocks are sorted by anchor, so a row's are contiguous."""
+        key = ("rows", within_block, window, dtype)
+        if key not in self._cache:
+            T = self.row_tokens or self.context_len
+            out = []
+            for row, start, end in self.row_segments():
+                c0 = row * T
+                sub = BlockLayout(self.anchors[start:end] - c0, self.ctx_doc[c0:c0 + T], self.ctx_pos[c0:c0 + T],
+                                  self.block_size)
+                out.append((c0, c0 + T, start, end, sub.additive(within_block, window, dtype)))
+            self._cache[key] = out
         return self._cache[key]
 
     def flex(self, within_block: WithinBlock, window: int | None) -> Any:
@@ -214,5 +254,11 @@ def attend(
     if backend == "flex":
         block_mask = layout.flex(within_block, window)
         return _flex_fn()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    mask = layout.additive(within_block, window, q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    C, B = layout.context_len, layout.block_size
+    outs = []
+    for c0, c1, n0, n1, mask in layout.row_masks(within_block, window, q.dtype):  # a block sees its row only
+        kr = torch.cat([k[:, :, c0:c1], k[:, :, C + n0 * B:C + n1 * B]], dim=2)  # [1, Hkv, T + Q_r, D]
+        vr = torch.cat([v[:, :, c0:c1], v[:, :, C + n0 * B:C + n1 * B]], dim=2)
+        outs.append(F.scaled_dot_product_attention(q[:, :, n0 * B:n1 * B], kr, vr, attn_mask=mask, scale=scale,
+                                                   enable_gqa=gqa))
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]

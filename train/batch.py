@@ -12,6 +12,7 @@ only once no tensor of the batch it held is alive and its device copy has comple
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -119,18 +120,39 @@ def host_buffer(nbytes: int, pin: bool) -> Tensor:
     return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
 
 
-def _use_count(t: Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
 class _Slot:
-    def __init__(self, base: Tensor):
-        self.base = base
-        self.baseline = _use_count(base)  # references while no batch views it
+    """Host memory owned by the pool, handed out as tensors with a storage of their own.
+
+    Each :meth:`take` wraps the slot's memory in a new tensor (``torch.from_numpy``), whose storage dies only
+    when the last tensor viewing it does (batch tensors, views of them, numpy arrays of them); a finalizer on
+    that storage marks the slot free again. Pinned slots keep a page-locked tensor alive and wrap the same
+    memory, so the tensors handed out are pinned too."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
+        self.memory = self._pinned.numpy() if pin else np.empty(nbytes, dtype=np.uint8)
+        self.busy = False
         self.event: Any = None  # CUDA event of the last device copy out of it
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.memory.nbytes)
+
+    def take(self, nbytes: int) -> Tensor:
+        flat = torch.from_numpy(self.memory[:nbytes])
+        self.busy = True
+        weakref.finalize(flat.untyped_storage(), self._release)
+        return flat
+
+    def _release(self) -> None:
+        self.busy = False
+
+    def contains(self, ptr: int) -> bool:
+        base = self.memory.ctypes.data
+        return base <= ptr < base + self.nbytes
+
     def is_free(self) -> bool:
-        if _use_count(self.base) != self.baseline:
+        if self.busy:
             return False  # some tensor (a batch, a view of one, a numpy array of one) still uses it
         if self.event is not None:
             if not self.event.query():
@@ -142,8 +164,8 @@ class _Slot:
 class BatchBufferPool:
     """Host memory for batches, reused instead of allocated fresh for every batch.
 
-    A buffer is reused only when nothing uses it any more: no tensor viewing it is alive (its storage's
-    reference count is back to the pool's own) and the last device copy out of it has completed (see
+    A buffer is reused only when nothing uses it any more: no tensor viewing it is alive (the storage of
+    the tensor it was handed out as has been freed) and the last device copy out of it has completed (see
     :meth:`record_copy`). So a consumer that keeps batches keeps them intact; the pool then allocates
     fresh memory. At most ``max_slots`` buffers are kept; beyond that batches get unpooled memory.
     """
@@ -152,23 +174,21 @@ class BatchBufferPool:
         self.slot_bytes, self.max_slots, self.pin = slot_bytes, max_slots, pin
         self._slots: list[_Slot] = []
         self._lock = threading.Lock()
-        self._counting = hasattr(torch._C, "_storage_Use_Count")
         self.reused = self.allocated = 0
 
     def take(self, nbytes: int) -> Tensor:
         """A flat uint8 tensor of ``nbytes`` (uninitialised)."""
         with self._lock:
-            if self._counting:
-                for slot in self._slots:
-                    if slot.base.numel() >= nbytes and slot.is_free():
-                        self.reused += 1
-                        return slot.base[:nbytes]  # the view is taken under the lock: the slot is busy now
+            for slot in self._slots:
+                if slot.nbytes >= nbytes and slot.is_free():
+                    self.reused += 1
+                    return slot.take(nbytes)  # taken under the lock: the slot is busy now
             self.allocated += 1
-            if not self._counting or len(self._slots) >= self.max_slots or nbytes > self.slot_bytes:
+            if len(self._slots) >= self.max_slots or nbytes > self.slot_bytes:
                 return host_buffer(nbytes, self.pin)
-            slot = _Slot(host_buffer(self.slot_bytes, self.pin))
+            slot = _Slot(self.slot_bytes, self.pin)
             self._slots.append(slot)
-            return slot.base[:nbytes]
+            return slot.take(nbytes)
 
     def batch_tensors(self, rows: int, seq_len: int, feature_dim: int) -> dict[str, Tensor]:
         flat = self.take(padded_nbytes(rows, seq_len, feature_dim))
@@ -179,8 +199,7 @@ class BatchBufferPool:
         ptr = tensor.data_ptr()
         with self._lock:
             for slot in self._slots:
-                base = slot.base.data_ptr()
-                if base <= ptr < base + slot.base.numel():
+                if slot.contains(ptr):
                     slot.event = event
                     return
 

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -27,6 +29,8 @@ from .objective import (
     dflash_loss,
 )
 from .optim import CombinedOptimizer, is_muon_matrix
+
+log = logging.getLogger(__name__)
 
 
 def build_model(model_cfg: ModelConfig, cache: Any, device: torch.device) -> nn.Module:
@@ -83,12 +87,15 @@ def build_scheduler(train_cfg: TrainConfig, optimizer: torch.optim.Optimizer, to
     )
 
 
-def build_loader(loader_cfg: LoaderConfig, cache: Any, d: Distributed, *, seed: int, epochs: int) -> Any:
-    """The streaming loader over this rank's slice of the plan (batches land on the training device)."""
+def build_loader(loader_cfg: LoaderConfig, cache: Any, d: Distributed, *, seed: int, epochs: int,
+                 num_anchors: int, block_size: int) -> Any:
+    """The streaming loader over this rank's slice of the plan (batches land on the training device).
+    ``num_anchors`` (train.num_anchors) and ``block_size`` (model.block_size) size the plan's block budget."""
     from .loader import StreamingLoader
 
-    return StreamingLoader(cache, loader_cfg, seed=seed, rank=d.rank, world_size=d.world_size, device=d.device,
-                           max_epochs=epochs)
+    return StreamingLoader(cache, loader_cfg, seed=seed, num_anchors=num_anchors, block_size=block_size,
+                           rank=d.rank, world_size=d.world_size, device=d.device, max_epochs=epochs,
+                           agree_parts=d.decided_by_main if d.world_size > 1 else None)
 
 
 def batch_stream(loader: Any, epochs: int) -> Iterator[Batch]:
@@ -147,3 +154,32 @@ def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) 
         ids = [d.device.index] if d.device.type == "cuda" else None
         module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
     return module
+
+
+def open_training_cache(url: str, loader_cfg: LoaderConfig) -> Any:
+    """The cache to train on. Live mode (``loader.live``) may start before extraction: it waits, saying what
+    for, until the cache exists and holds the teacher's frozen head (``loader.live_timeout_s`` bounds the wait)."""
+    from dflash_cache import open_cache
+    from dflash_cache.errors import CacheNotFoundError, NotACacheError
+
+    if not loader_cfg.live:
+        return open_cache(url)
+    t0, last_log = time.monotonic(), -math.inf
+    while True:
+        try:
+            cache = open_cache(url)
+            if cache.has_head():
+                return cache
+            waiting = "extraction to store the teacher's embedding and lm_head"
+        except (CacheNotFoundError, NotACacheError):  # not yet created, or being created (root written last)
+            waiting = "extraction to create the cache"
+        waited = time.monotonic() - t0
+        if loader_cfg.live_timeout_s is not None and waited >= loader_cfg.live_timeout_s:
+            raise CacheNotFoundError(
+                f"live: waited {waited:.0f} s (loader.live_timeout_s) for {waiting} at {url}; start "
+                f"`dflash-extract CONFIG --out {url}`, check the --cache path, or raise loader.live_timeout_s")
+        if time.monotonic() - last_log >= 30.0:
+            log.info("live: waiting for %s at %s (waited %.0f s; loader.live_timeout_s = %s)", waiting, url, waited,
+                     loader_cfg.live_timeout_s)
+            last_log = time.monotonic()
+        time.sleep(loader_cfg.live_poll_s)

@@ -41,6 +41,7 @@ from dflash_cache.codecs import crc32c
 from dflash_cache.errors import DFlashError
 from dflash_cache.runtime.schema import CheckpointConfig
 from dflash_cache.runtime.switches import env_switch
+from dflash_cache.storage import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +190,6 @@ def _write_durable(path: Path, data: bytes) -> dict[str, Any]:
     return {"bytes": len(data), "crc32c": _crc32c(data)}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=False).encode()
@@ -228,11 +222,11 @@ def write_checkpoint(root: Path, snap: Snapshot) -> Path:
         "created_unix": time.time(),
     }
     _write_durable(tmp / MANIFEST_FILE, _json_bytes(manifest))
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # a torn leftover of a lost future (we resumed from an earlier step)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
 
 
@@ -445,10 +439,6 @@ class Checkpointer:
         """Block until the save in flight (if any) is committed; raise if it failed."""
         self._join()
 
-    def in_flight(self) -> bool:
-        worker = self._worker
-        return worker is not None and worker.thread is not None and worker.thread.is_alive()
-
     def pop_completed(self) -> list[tuple[int, float]]:
         """``(step, background write seconds)`` of the saves committed since the last call."""
         with self._lock:
@@ -470,7 +460,7 @@ class Checkpointer:
         committed = [(s, p) for s, p in list_checkpoints(self.root.parent) if s <= keep_step]
         for _, path in committed[: max(0, len(committed) - self.cfg.keep_last)]:
             shutil.rmtree(path, ignore_errors=True)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     # -- loading ----------------------------------------------------------------------------
 

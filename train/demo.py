@@ -68,7 +68,7 @@ def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Pat
         "heldout_blocks": tf_trained.n_blocks,
     }
     if live:
-        res = run_live(trained, cfg, cache, ids)  # prompts from held-out samples, like the teacher-forced eval
+        res = run_live(trained, cfg.eval, cfg.teacher, cache, ids)  # prompts from held-out samples, like the teacher-forced eval
         out["live_acceptance_length"] = res["tau"]
         out["live_tau_per_prompt"] = res["tau_per_prompt"]
         out["live_prompt_sample_ids"] = [p["sample_id"] for p in res["prompts"]]

@@ -76,6 +76,7 @@ class StepShape:
     blocks: int
     counted_rows: int
     mean_context_per_block: float = 0.0
+    rows: int = 1  # rows of the batch (SDPA attends row by row)
 
     @classmethod
     def worst(cls, context_tokens: int, block_positions: int, block_size: int, mean_doc_tokens: float = 0.0
@@ -185,8 +186,10 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
     # fused kernels (FlexAttention on GPU, SDPA's flash kernel on CPU) keep the output and the log-sum-exp
     attn_saved = heads * Q * shape.head_dim * c + heads * Q * 4
     attn_transient = 3 * K * kvd * c  # gradients of k and v (and q) being formed
-    # the dense path (SDPA) keeps one additive float mask [Q, K] per layer kind for the whole step
-    mask = (1 + int(shape.sliding_layers > 0)) * Q * K * c if attention == "sdpa" else 0
+    # the dense path (SDPA, row by row) keeps one additive float mask [Q_r, T + Q_r] per row and layer kind for
+    # the whole step: Q x (T + Q / rows) in all for rows of equal blocks
+    T = C // max(1, step.rows)
+    mask = (1 + int(shape.sliding_layers > 0)) * Q * (T + Q // max(1, step.rows)) * c if attention == "sdpa" else 0
     layer_full = (per_q * Q + per_c * C) * c + attn_saved
     layers_saved = shape.layers * (Q * H * c if checkpointing else layer_full)  # inputs only when checkpointing
     activations = layers_saved + fused + embed + rope + mask + 2 * Q * H * c  # + the final norm's input and output
@@ -343,23 +346,20 @@ def worst_case_figures(cfg: Any, max_length: int) -> PlanFigures:
 
 
 def plan_figures(cfg: Any, cache: Any) -> PlanFigures:
-    """Epoch 0's plan over the cache (index arrays only; no feature is read)."""
+    """Epoch 0's plan over the cache, as the trainer's loader would make it (index arrays only; no feature
+    is read)."""
     import numpy as np
 
-    from .plan import PlanSettings, build_plan
+    from .plan import plan_from_index
 
-    lc, B, na = cfg.loader, cfg.model.block_size, cfg.train.num_anchors
     idx = cache.index()
-    settings = PlanSettings(seed=cfg.train.seed, tokens_per_batch=lc.tokens_per_batch, packing=lc.packing,
-                            row_tokens=lc.pack_row_tokens, sort_window=lc.sort_window,
-                            holdout_fraction=lc.holdout_fraction)
-    plan = build_plan(idx.sample_ids, idx.lengths, idx.buckets, settings, epoch=0)
-    lengths = idx.lengths.astype(np.int64)
-    blocks = np.minimum(na, lengths - 1) * B
-    bp = np.array([int(blocks[b.positions].sum()) for b in plan.batches], dtype=np.int64)
-    ctx = np.array([b.num_rows * b.seq_len for b in plan.batches], dtype=np.int64)
-    return PlanFigures("plan", float(lengths.mean()), int(np.median(bp)), int(bp.max()), int(np.median(ctx)),
-                       int(ctx.max()), len(plan), int(plan.stats.n_tokens))
+    plan = plan_from_index(idx, cfg.loader, seed=cfg.train.seed, num_anchors=cfg.train.num_anchors,
+                           block_size=cfg.model.block_size)
+    rows = np.diff(plan.batch_rows)
+    ctx = rows * plan.seq_len  # context tokens per step: rows x padded length
+    bp = plan.block_positions
+    return PlanFigures("plan", float(idx.lengths.mean()) if len(idx) else 0.0, int(np.median(bp)), int(bp.max()),
+                       int(np.median(ctx)), int(ctx.max()), len(plan), int(plan.stats.n_tokens))
 
 
 @dataclass

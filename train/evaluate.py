@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from dflash_cache.errors import ConfigError, DFlashError
+from dflash_cache.runtime.schema import EvalConfig, TeacherConfig
 
 from .attention import BlockLayout
 from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
@@ -335,7 +336,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     tf = teacher_forced_eval(model, cache, ids, max_blocks=cfg.eval.max_blocks)
     report: dict[str, Any] = asdict(tf)
     if args.live:
-        report["live"] = run_live(model, cfg, cache, ids, prompt_source=args.samples)
+        report["live"] = run_live(model, cfg.eval, cfg.teacher, cache, ids, prompt_source=args.samples)
     if args.json:
         print(json.dumps(report))
     else:
@@ -350,13 +351,14 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_live(model: Any, cfg: Any, cache: Any, sample_ids: Sequence[int], prompt_source: str = "holdout"
-             ) -> dict[str, Any]:
+def run_live(model: Any, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache: Any, sample_ids: Sequence[int],
+             prompt_source: str = "holdout") -> dict[str, Any]:
     """Live speculative decoding on ``eval.live_prompts`` prompts from ``sample_ids`` (the held-out ones,
-    unless the caller says otherwise in ``prompt_source``); the ``--json`` document's ``live`` entry."""
+    unless the caller says otherwise in ``prompt_source``) with the teacher of ``teacher_cfg``; the ``--json``
+    document's ``live`` entry."""
     from extract.teacher import load_teacher
 
-    n = cfg.eval.live_prompts
+    n = eval_cfg.live_prompts
     prompts, skipped = live_prompts(cache, sample_ids, n)
     if not prompts:
         raise ConfigError(
@@ -367,9 +369,9 @@ def run_live(model: Any, cfg: Any, cache: Any, sample_ids: Sequence[int], prompt
     if len(prompts) < n:
         log.warning("live decoding on %d prompt(s), not eval.live_prompts = %d: only %d %s sample(s) (%d without "
                     "a prompt)", len(prompts), n, len(sample_ids), prompt_source, skipped)
-    teacher, tokenizer = load_teacher(cfg.teacher)
+    teacher, tokenizer = load_teacher(teacher_cfg)
     eos = {int(t) for t in np.atleast_1d(teacher.generation_config.eos_token_id or tokenizer.eos_token_id)}
-    res = live_eval(model, teacher, [p for _, p in prompts], max_new_tokens=cfg.eval.live_max_new_tokens, eos=eos,
+    res = live_eval(model, teacher, [p for _, p in prompts], max_new_tokens=eval_cfg.live_max_new_tokens, eos=eos,
                     layer_ids=list(cache.spec.target_layer_ids), sample_ids=[i for i, _ in prompts])
     return {
         "tau": res.tau, "tau_convention": TAU_CONVENTION, "prompt_source": prompt_source,

@@ -1,18 +1,19 @@
 """The streaming loader: plan-ordered batches from the cache, prefetched by a pool of readers.
 
-Readers take work items (planned batches) from ONE shared sequence in plan order, read and
-collate them, and put them into a reorder buffer capped in bytes; the consumer takes them
-strictly in order. A reader claims the next item only when its bytes fit under the cap, so
-the cap holds for everything claimed and not yet consumed (reads in flight included). A
-slow read delays only its own item: the other readers keep claiming the items after it.
-(The cap is exceeded only by a single batch larger than the whole cap, which is then read
-alone.)
+The loader owns the *position* in the data and where batches go; the two jobs under it live in
+their own modules: :mod:`train.prefetch` (a fixed reader pool over one ordered work stream, with a
+byte-capped reorder buffer) and :mod:`train.assemble` (planned rows of samples decoded from their
+cache parts into one padded batch in reusable host buffers).
 
 Position = (epoch, batch index) plus the parts the current plan window was built from.
 ``load_state_dict`` rebuilds that plan from the index and starts at the saved index: the
 skipped batches are neither read nor replayed, and the batches that follow are bitwise the
 ones the uninterrupted loader would have produced (outside live mode, and unless a corrupt
 part was quarantined: which batches lose that part's samples depends on read timing).
+
+Each plan window is built once: the samples of its parts are selected by integer part number
+(O(samples)), and the plans that :meth:`StreamingLoader.epoch_lengths` builds to count batches
+are kept (columnar, ~10 bytes per sample) and consumed when their epoch is read.
 
 Live mode (``loader.live``) follows a cache that is still being extracted: each epoch starts
 with a plan window over the parts committed at that moment; when the readers have claimed
@@ -21,51 +22,42 @@ window of the same epoch (batch indices continue). With nothing new they wait, l
 status line, until new parts come, the extraction is marked finished (``extraction_done``),
 or ``loader.live_timeout_s`` passes without a new part; then the epoch ends.
 
-With ``world_size > 1`` in live mode every rank must plan the same windows: pass
-``agree_parts`` (for example rank 0's list broadcast with ``torch.distributed``).
+With ``world_size > 1`` in live mode every rank must plan the same windows: pass ``agree_parts``
+(the trainer passes :meth:`~dflash_cache.runtime.dist.Distributed.decided_by_main`): rank 0 alone polls
+the cache and decides each window (or the end of the epoch), the other ranks take its decision.
 
-Readers decode each sample's features straight into its place in the batch tensor (no per-sample
-tensors, no second copy), and batches live in reusable host buffers (pinned with a GPU): a buffer is
-refilled only after every tensor of the batch it held is gone and its device copy has completed.
-With a ``read_fn`` the samples it returns are collated into those buffers instead.
+Corrupt parts (``loader.on_corrupt``): with "error" the first corrupt read stops the run; with
+"skip" the part is quarantined for the rest of the run (:meth:`StreamingLoader._produce`), its
+samples are left out of every later batch and counted, and the quarantine is part of the state.
+
+Batches land on ``device``: with a GPU, from pinned host buffers, copied on a side stream; a
+host buffer is refilled only after every tensor of the batch it held is gone and its copy is done.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
-from dflash_cache.reader import PartReaderCache
 from dflash_cache.runtime.schema import LoaderConfig
 
-from .batch import Batch, BatchBufferPool, carve_batch, host_buffer, padded_nbytes
-from .plan import EpochPlan, PlannedBatch, PlanSettings, build_plan
+from .assemble import BatchAssembler, ReadFn, SampleTable, batch_nbytes
+from .batch import Batch, BatchBufferPool, padded_nbytes
+from .plan import EpochPlan, PlannedBatch, Planner, PlanSettings, holdout_mask
+from .prefetch import Delivery, Prefetcher
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-_PIECE_CHUNKS = 2  # a decode task: features of at most this many (aligned) inner chunks of a sample
-# bytes per token slot besides the features: input_ids int64 + loss_mask bool + doc_ids int32 + position_ids int64
-_SLOT_BYTES = 8 + 1 + 4 + 8
-
-
-class SampleLike(Protocol):
-    sample_id: int
-    input_ids: torch.Tensor  # int64 [T]
-    loss_mask: torch.Tensor  # bool [T]
-    features: torch.Tensor  # bf16 [T, n*H]
-
-
-ReadFn = Callable[[Sequence[int]], Sequence[SampleLike]]
 
 
 @dataclass
@@ -105,162 +97,40 @@ class _Window:
     number: int
     parts: list[str]
     plan: EpochPlan
-    sample_ids: np.ndarray  # int64 [N] arrays the plan's positions index
-    part_keys: np.ndarray  # object [N]: each sample's part key
-    lengths: np.ndarray  # int32 [N] tokens
-    part_index: np.ndarray  # int32 [N] into part_infos
-    rows: np.ndarray  # int32 [N] position within its part
-    part_infos: list[Any]  # PartInfo of the index the window was planned from
-    first_index: int
+    table: SampleTable  # the samples the plan's positions index
     history: list[list[str]]  # parts of windows 0..number of this epoch
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Item:
+    """A work item of the reader pool: one planned batch of a window."""
+
     window: _Window
     planned: PlannedBatch
     nbytes: int
 
 
-class _Prefetcher:
-    """Fixed reader pool over one ordered work stream, a byte-capped reorder buffer, in-order get()."""
-
-    def __init__(self, work: Callable[[threading.Event], Iterator[_Item]], produce: Callable[[_Item], Any],
-                 num_readers: int, max_bytes: int):
-        self._stop = threading.Event()
-        self._work, self._produce, self._max_bytes = work(self._stop), produce, max_bytes
-        self._work_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._ready: dict[int, tuple[_Item | None, Any, BaseException | None, int]] = {}
-        self._next_claim = self._next_deliver = 0
-        self._reserved = self._ready_bytes = 0
-        self.max_reserved = 0
-        self._exhausted = False
-        self._threads = [threading.Thread(target=self._run, name=f"dflash-reader-{k}", daemon=True)
-                         for k in range(num_readers)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            claimed = self._claim()
-            if claimed is None:
-                return
-            seq, item = claimed
-            result, err = None, None
-            try:
-                result = self._produce(item)
-            except BaseException as e:  # delivered to the consumer in order
-                err = e
-            with self._cond:
-                self._ready[seq] = (item, result, err, item.nbytes)
-                self._ready_bytes += item.nbytes
-                self._cond.notify_all()
-
-    def _claim(self) -> tuple[int, _Item] | None:
-        with self._work_lock:  # holders claim in plan order; the others wait their turn
-            if self._exhausted:
-                return None
-            try:
-                item = next(self._work, None)
-            except BaseException as e:
-                self._finish(e)
-                return None
-            if item is None:
-                self._finish(None)
-                return None
-            with self._cond:
-                while (self._reserved and self._reserved + item.nbytes > self._max_bytes
-                       and not self._stop.is_set()):
-                    self._cond.wait(0.5)
-                if self._stop.is_set():
-                    return None
-                seq = self._next_claim
-                self._next_claim += 1
-                self._reserved += item.nbytes
-                self.max_reserved = max(self.max_reserved, self._reserved)
-            return seq, item
-
-    def _finish(self, err: BaseException | None) -> None:
-        with self._cond:
-            if err is not None:
-                self._ready[self._next_claim] = (None, None, err, 0)
-                self._next_claim += 1
-            self._exhausted = True
-            self._cond.notify_all()
-
-    def get(self) -> tuple[_Item | None, Any, float, int, int, int]:
-        """(item, result, wait_s, ready items, ready bytes, reserved bytes); item None: stream ended."""
-        t0 = time.perf_counter()
-        with self._cond:
-            while self._next_deliver not in self._ready:
-                if self._exhausted and self._next_deliver >= self._next_claim:
-                    return None, None, time.perf_counter() - t0, 0, 0, 0
-                self._cond.wait(0.5)
-            item, result, err, nbytes = self._ready.pop(self._next_deliver)
-            self._next_deliver += 1
-            self._reserved -= nbytes
-            self._ready_bytes -= nbytes
-            inflight = self._reserved
-            self._cond.notify_all()
-            depth, ready_bytes = len(self._ready), self._ready_bytes
-        if err is not None:
-            self.close()
-            raise err
-        return item, result, time.perf_counter() - t0, depth, ready_bytes, inflight
-
-    def close(self) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=10)
+class _Produced(NamedTuple):
+    batch: Batch | None  # None: every sample of the batch was in a quarantined part
+    dropped: int  # samples left out because their part is quarantined
 
 
-def _batch_nbytes(planned: PlannedBatch, feature_dim: int) -> int:
-    slots = planned.num_rows * planned.seq_len
-    return slots * (feature_dim * 2 + _SLOT_BYTES) + len(planned.positions) * 8
-
-
-Alloc = Callable[[int, int], dict[str, torch.Tensor]]  # (rows, seq_len) -> uninitialised batch tensors
-
-
-def _fresh(feature_dim: int, pin: bool) -> Alloc:
-    return lambda rows, seq_len: carve_batch(host_buffer(padded_nbytes(rows, seq_len, feature_dim), pin), rows,
-                                              seq_len, feature_dim)
-
-
-def _init_padding(t: dict[str, torch.Tensor]) -> None:
-    """Padding values everywhere but the features (whose padding is zeroed row by row)."""
-    t["input_ids"].zero_()
-    t["loss_mask"].zero_()
-    t["doc_ids"].fill_(-1)
-    t["position_ids"].zero_()
-
-
-def collate(rows: Sequence[Sequence[SampleLike]], feature_dim: int, pin: bool = False,
-            alloc: Alloc | None = None) -> dict[str, torch.Tensor]:
-    """Rows of documents -> padded tensors (documents back to back within a row). ``alloc`` gives the
-    (uninitialised) tensors, e.g. from a :class:`~train.batch.BatchBufferPool`."""
-    R = len(rows)
-    T = max(sum(int(s.input_ids.shape[0]) for s in row) for row in rows)
-    t = (alloc or _fresh(feature_dim, pin))(R, T)  # features [R, T, n*H], the rest [R, T]
-    _init_padding(t)
-    features = t["features"]
-    ramp = torch.arange(T, dtype=torch.int64)
-    for r, row in enumerate(rows):
-        off = 0
-        for d, s in enumerate(row):
-            n = int(s.input_ids.shape[0])
-            features[r, off:off + n] = s.features
-            t["input_ids"][r, off:off + n] = s.input_ids
-            t["loss_mask"][r, off:off + n] = s.loss_mask
-            t["doc_ids"][r, off:off + n] = d
-            t["position_ids"][r, off:off + n] = ramp[:n]
-            off += n
-        features[r, off:] = 0
-    return t
+def select_parts(index: Any, parts: list[str], url: str = "the cache") -> SampleTable:
+    """The samples of ``index`` (a :class:`~dflash_cache.index.CacheIndex`) in ``parts`` (part keys), selected
+    by part number: O(samples). Every part selected: views of the index arrays, no copy."""
+    number = {p.key: i for i, p in enumerate(index.parts)}
+    missing = sorted(k for k in set(parts) if k not in number)
+    if missing:
+        raise CacheError(f"parts {missing[:3]} planned for this run are no longer committed in {url}; "
+                         "restore them or start a new run")
+    if len(set(parts)) == len(index.parts):
+        sel: Any = slice(None)
+    else:
+        wanted = np.zeros(len(index.parts), dtype=bool)
+        wanted[[number[k] for k in parts]] = True
+        sel = np.flatnonzero(wanted[index.part])
+    return SampleTable(index.sample_ids[sel], index.lengths[sel], index.buckets[sel], index.part[sel],
+                       index.row[sel], list(index.parts))
 
 
 def extraction_finished(cache: Any) -> bool:
@@ -273,9 +143,15 @@ def extraction_finished(cache: Any) -> bool:
     return True
 
 
+# (key, decide, stop) -> the value of rank 0's decide() for that key, on every rank (None once stop is set)
+Agree = Callable[[str, Callable[[], Any], threading.Event], Any]
+
+
 class StreamingLoader:
     """Iterate it once per epoch: ``for batch in loader`` yields the rest of the current epoch.
 
+    ``num_anchors`` (train.num_anchors) and ``block_size`` (model.block_size) size the plan's
+    block-position budget (``loader.max_block_positions``).
     ``read_fn`` replaces ``cache.read_samples`` (tests inject slow or failing reads with it)."""
 
     def __init__(
@@ -284,33 +160,27 @@ class StreamingLoader:
         cfg: LoaderConfig,
         *,
         seed: int,
+        num_anchors: int,
+        block_size: int,
         world_size: int = 1,
         rank: int = 0,
         device: torch.device | str | None = None,
         max_epochs: int | None = None,
         read_fn: ReadFn | None = None,
         extraction_done: Callable[[], bool] | None = None,
-        agree_parts: Callable[[list[str]], list[str]] | None = None,
+        agree_parts: Agree | None = None,
     ):
         self.cache, self.cfg = cache, cfg
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device) if device is not None else None
         self.max_epochs = max_epochs
-        self._read = read_fn or cache.read_samples
-        # decode straight into batch buffers unless reads are injected (or the cache has no byte storage)
-        storage = getattr(cache, "storage", None)
-        self._readers = PartReaderCache(storage, capacity=256) if read_fn is None and storage is not None else None
-        self._decoders = None  # threads that decode pieces of batches (blosc runs without the GIL)
-        if self._readers is not None and cfg.num_readers > 1:
-            self._decoders = concurrent.futures.ThreadPoolExecutor(cfg.num_readers, thread_name_prefix="dflash-decode")
         self._extraction_done = extraction_done or (lambda: extraction_finished(cache))
-        self._agree = agree_parts or (lambda keys: keys)
+        self._agree: Agree = agree_parts or (lambda key, decide, stop: decide())
         if cfg.live and world_size > 1 and agree_parts is None:
             raise ConfigError("loader.live with several ranks needs agree_parts, so that every rank plans the "
-                              "same windows (e.g. broadcast rank 0's part list); or set loader.live = false")
-        self.settings = PlanSettings(seed=seed, world_size=world_size, tokens_per_batch=cfg.tokens_per_batch,
-                                     packing=cfg.packing, row_tokens=cfg.pack_row_tokens,
-                                     sort_window=cfg.sort_window, holdout_fraction=cfg.holdout_fraction)
+                              "same windows (e.g. Distributed.decided_by_main); or set loader.live = false")
+        self.settings = PlanSettings.from_config(cfg, seed=seed, num_anchors=num_anchors, block_size=block_size,
+                                                 world_size=world_size)
         self.feature_dim = int(cache.spec.feature_dim)
         self._pin = bool(cfg.pin_memory and self.device is not None and self.device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(self.device) if self._pin else None
@@ -318,20 +188,24 @@ class StreamingLoader:
         slot_bytes = padded_nbytes(1, slot_tokens, self.feature_dim)
         self._pool = BatchBufferPool(slot_bytes, max_slots=cfg.max_buffer_bytes // slot_bytes + cfg.num_readers + 2,
                                      pin=self._pin)
+        self._assembler = BatchAssembler(cache, self._pool, self.feature_dim, cfg.num_readers, read_fn)
         self.counters = LoaderCounters()
         self.last_stats: BatchStats | None = None
         self.status = "idle"
         self._quarantine: set[str] = set()
         self._quarantine_lock = threading.Lock()
-        self._static_parts: list[str] | None = None if cfg.live else self._committed_keys(require=True)
         self._epoch, self._next_index = 0, 0
         self._windows: list[list[str]] = []  # parts of each window of the current epoch so far
         self._index: Any = None
+        self._planner: tuple[tuple[str, ...], SampleTable, Planner] | None = None  # of the latest parts planned
+        self._plans: dict[tuple[int, int, int, tuple[str, ...]], EpochPlan] = {}  # built ahead, read once
+        self._plans_lock = threading.Lock()
         self._window_identity: str | None = None
-        self._prefetcher: _Prefetcher | None = None
-        self._pending: tuple[_Item, Any, float, int, int, int] | None = None
+        self._prefetcher: Prefetcher[_Item] | None = None
+        self._pending: Delivery[_Item] | None = None
+        self._static_parts: list[str] | None = None if cfg.live else self._committed_keys(require=True)
         if self._static_parts is not None:  # fail here, not in a reader thread, on an unusable plan
-            self._window(0, 0, self._static_parts, 0)
+            self._window(0, 0, self._static_parts, 0, keep=True)
 
     # ---------------------------------------------------------------- public API
 
@@ -346,28 +220,21 @@ class StreamingLoader:
             if got is None:
                 self._end_epoch(epoch)
                 return
-            item, result, wait, depth, ready_bytes, inflight = got
-            if item.window.epoch != epoch:
+            if got.item.window.epoch != epoch:
                 self._pending = got
                 self._end_epoch(epoch)
                 return
-            batch = self._account(item, result, wait, depth, ready_bytes, inflight)
+            batch = self._account(got)
             if batch is not None:
                 yield batch
 
     def epoch_lengths(self, epochs: int) -> list[int]:
-        """Batches per epoch on this rank for ``epochs`` epochs (for lr schedules; not in live mode)."""
+        """Batches per epoch on this rank for ``epochs`` epochs (for lr schedules; not in live mode).
+        The plans built to count them are kept and read when their epoch comes."""
         if self.cfg.live:
             raise ConfigError("epoch lengths are unknown in live mode: the cache is still growing; "
                               "schedule by train.max_steps instead")
-        return [len(self._window(e, 0, self._static_parts or [], 0).plan) for e in range(epochs)]
-
-    def _index_with(self, parts: list[str]) -> Any:
-        """The cache index, re-read only when it lacks one of ``parts`` (live mode)."""
-        idx = self._index
-        if idx is None or not set(parts) <= {p.key for p in idx.parts}:
-            idx = self._index = self.cache.index()
-        return idx
+        return [len(self._window(e, 0, self._static_parts or [], 0, keep=True).plan) for e in range(epochs)]
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -398,9 +265,7 @@ class StreamingLoader:
     def close(self) -> None:
         self._shutdown()
         self._pool.clear()
-        if self._decoders is not None:
-            self._decoders.shutdown(wait=True)
-            self._decoders = None
+        self._assembler.close()
 
     def __enter__(self) -> StreamingLoader:
         return self
@@ -411,27 +276,57 @@ class StreamingLoader:
     # ---------------------------------------------------------------- planning
 
     def _committed_keys(self, require: bool) -> list[str]:
-        keys = sorted(p.key for p in self.cache.parts())
+        if self.cfg.on_corrupt == "skip":
+            parts, bad = self.cache.scan_parts()
+            for err in bad:  # a commit record that cannot be trusted: quarantined, not fatal
+                self._quarantine_part(err)
+        else:
+            parts = self.cache.parts()
+        keys = sorted(p.key for p in parts)
         if require and not keys:
             raise CacheError(f"the cache at {self.cache.url} has no committed parts; run dflash-extract first, "
                              "or set loader.live = true to wait for parts being extracted")
         return keys
 
+    def _index_with(self, parts: list[str]) -> Any:
+        """The cache index, re-read only when it lacks one of ``parts`` (live mode)."""
+        idx = self._index
+        if idx is None or not set(parts) - self._quarantine <= {p.key for p in idx.parts}:
+            idx = self._index = self.cache.index(skip_corrupt=self.cfg.on_corrupt == "skip")
+            for err in idx.skipped:  # unreadable small arrays or commit record: quarantined, not fatal
+                self._quarantine_part(err)
+        return idx
+
+    def _table(self, parts: list[str]) -> tuple[SampleTable, Planner]:
+        """The samples of ``parts`` and their planner; the latest is kept (outside live mode every epoch
+        plans the same parts)."""
+        key = tuple(parts)
+        got = self._planner
+        if got is not None and got[0] == key:
+            return got[1], got[2]
+        index = self._index_with(parts)
+        # a part quarantined since it was planned (unreadable small arrays) is left out, not "missing"
+        table = select_parts(index, [p for p in parts if p not in self._quarantine], self.cache.url)
+        planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings)
+        self._planner = (key, table, planner)
+        return table, planner
+
     def _window(self, epoch: int, number: int, parts: list[str], first_index: int,
-                history: list[list[str]] | None = None) -> _Window:
-        idx = self._index_with(parts)
-        keys = np.array([p.key for p in idx.parts], dtype=object)
-        missing = sorted(set(parts) - set(keys.tolist()))
-        if missing:
-            raise CacheError(f"parts {missing[:3]} planned for epoch {epoch} are no longer committed in "
-                             f"{self.cache.url}; restore them or start a new run")
-        part_keys = keys[idx.part] if len(idx) else np.zeros(0, dtype=object)
-        sel = np.isin(part_keys, np.array(parts, dtype=object)) if len(parts) else np.zeros(len(idx), bool)
-        ids, lengths, buckets = idx.sample_ids[sel], idx.lengths[sel], idx.buckets[sel]
-        plan = build_plan(ids, lengths, buckets, self.settings, epoch=epoch, rank=self.rank, window=number,
-                          first_index=first_index)
-        return _Window(epoch, number, list(parts), plan, ids, part_keys[sel], lengths, idx.part[sel], idx.row[sel],
-                       list(idx.parts), first_index, history or [list(parts)])
+                history: list[list[str]] | None = None, keep: bool = False) -> _Window:
+        """The window's plan: taken from the plans built ahead if there (``keep``: leave it there for later)."""
+        table, planner = self._table(parts)
+        key = (epoch, number, first_index, tuple(parts))
+        with self._plans_lock:
+            plan = self._plans.get(key) if keep else self._plans.pop(key, None)
+            if not keep:  # plans of epochs before this one will not be read (a resumed run)
+                for k in [k for k in self._plans if k[0] < epoch]:
+                    del self._plans[k]
+        if plan is None:
+            plan = planner.plan(epoch, rank=self.rank, window=number, first_index=first_index)
+            if keep:
+                with self._plans_lock:
+                    self._plans[key] = plan
+        return _Window(epoch, number, list(parts), plan, table, history or [list(parts)])
 
     def _work(self, epoch: int, saved: list[list[str]], next_index: int, identity: str | None,
               stop: threading.Event) -> Iterator[_Item]:
@@ -439,7 +334,7 @@ class StreamingLoader:
         windows = [list(w) for w in saved]
         while self.max_epochs is None or epoch < self.max_epochs:
             first = 0
-            for number in range(10**9):
+            for number in itertools.count():
                 if number < len(windows):
                     parts: list[str] | None = windows[number]
                 else:
@@ -451,9 +346,9 @@ class StreamingLoader:
                 if identity is not None and number == len(saved) - 1:
                     self._check_identity(win, identity)
                     identity = None
-                for b in win.plan.batches:
-                    if b.index >= next_index:
-                        yield _Item(win, b, _batch_nbytes(b, self.feature_dim))
+                for k in range(max(0, next_index - first), len(win.plan)):
+                    b = win.plan.batch(k)
+                    yield _Item(win, b, batch_nbytes(b.num_rows, b.seq_len, len(b.positions), self.feature_dim))
                 first += len(win.plan)
                 if not self.cfg.live:
                     break
@@ -469,22 +364,40 @@ class StreamingLoader:
     def _next_window_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
         if not self.cfg.live:
             return self._static_parts if not windows else None
+        # one decision per window, by rank 0 (it alone watches the cache): every rank plans the same parts
+        return self._agree(f"live/e{epoch}/w{len(windows)}", lambda: self._poll_new_parts(epoch, windows, stop),
+                           stop)
+
+    def _poll_new_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
+        """The parts committed since the last window, once they give every rank a batch; None: the epoch ends
+        (extraction finished, or ``loader.live_timeout_s`` without a new part)."""
         seen = {k for w in windows for k in w}
-        waited_since, last_log = time.monotonic(), 0.0
+        waited_since, last_log, n_new = time.monotonic(), 0.0, 0
         while True:
-            new = self._agree([k for k in self._committed_keys(require=False) if k not in seen])
-            if new:
+            new = [k for k in self._committed_keys(require=False) if k not in seen]
+            if len(new) > n_new:  # a part arrived: the idle clock restarts
+                waited_since, n_new = time.monotonic(), len(new)
+            trainable = self._training_samples(new) if new else 0
+            if trainable >= self.world_size:  # (a part of a few, or only held-out, samples waits for more)
                 self.status = "reading"
+                log.info("live: epoch %d window %d plans %d newly committed part(s) (%d in all)", epoch,
+                         len(windows), len(new), len(seen) + len(new))
                 return sorted(new)
-            if self._extraction_done():
-                if windows:
-                    return None
-                raise CacheError(f"the cache at {self.cache.url} has no committed parts and its extraction is "
-                                 "marked finished; nothing to train on")
+            done = self._extraction_done()
             idle = time.monotonic() - waited_since
-            if self.cfg.live_timeout_s is not None and idle >= self.cfg.live_timeout_s:
-                log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d parts",
-                            idle, epoch, len(seen))
+            timed_out = self.cfg.live_timeout_s is not None and idle >= self.cfg.live_timeout_s
+            if done and not windows:
+                raise CacheError(f"the cache at {self.cache.url} has {trainable} training sample(s) for "
+                                 f"{self.world_size} rank(s) and its extraction is marked finished; nothing to "
+                                 "train on (extract more data or lower loader.holdout_fraction)")
+            if done or timed_out:
+                if new:
+                    log.warning("live: %d newly committed part(s) hold %d training sample(s), too few to give each "
+                                "of %d rank(s) a batch: epoch %d leaves them out (the next epoch plans them)",
+                                len(new), trainable, self.world_size, epoch)
+                if timed_out and not done:
+                    log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d "
+                                "parts", idle, epoch, len(seen))
                 return None
             self.status = f"waiting for new parts ({len(seen)} planned, extraction running)"
             if time.monotonic() - last_log >= max(30.0, self.cfg.live_poll_s) or last_log == 0.0:
@@ -494,27 +407,44 @@ class StreamingLoader:
             if stop.wait(self.cfg.live_poll_s):
                 return None
 
-    # ---------------------------------------------------------------- reading
+    def _training_samples(self, parts: list[str]) -> int:
+        """Samples of ``parts`` a plan would train on (held-out ones left out)."""
+        ids = select_parts(self._index_with(parts), parts, self.cache.url).sample_ids
+        if self.settings.holdout_fraction > 0:
+            ids = ids[~holdout_mask(np.asarray(ids, dtype=np.int64), self.settings.holdout_fraction)]
+        return len(ids)
 
-    def _produce(self, item: _Item) -> tuple[Batch | None, int]:
+    # ---------------------------------------------------------------- reading (in the reader threads)
+
+    def _produce(self, item: _Item) -> _Produced:
+        """Assemble one planned batch, leaving out the samples of quarantined parts (loader.on_corrupt)."""
         planned, win = item.planned, item.window
         rows = [[int(p) for p in r] for r in planned.rows()]
         dropped = 0
         while True:
-            with self._quarantine_lock:
-                bad = set(self._quarantine)
+            bad = self._quarantined_parts(win.table)
             if bad:
-                kept = [[p for p in r if win.part_keys[p] not in bad] for r in rows]
+                kept = [[p for p in r if int(win.table.part[p]) not in bad] for r in rows]
                 dropped += sum(len(r) for r in rows) - sum(len(r) for r in kept)
                 rows = [r for r in kept if r]
             if not rows:
-                return None, dropped
+                return _Produced(None, dropped)
             try:
-                return self._read_batch(item, rows), dropped
+                batch = self._assembler.assemble(win.table, rows, bucket=planned.bucket, epoch=win.epoch,
+                                                 index=planned.index, seed=planned.seed)
+                return _Produced(batch, dropped)
             except CacheCorruptError as err:
                 if self.cfg.on_corrupt == "error" or err.part is None:
                     raise
                 self._quarantine_part(err)
+
+    def _quarantined_parts(self, table: SampleTable) -> set[int]:
+        """Numbers (into ``table.parts``) of the quarantined parts."""
+        with self._quarantine_lock:
+            if not self._quarantine:
+                return set()
+            bad = set(self._quarantine)
+        return {i for i, p in enumerate(table.parts) if p.key in bad}
 
     def _quarantine_part(self, err: CacheCorruptError) -> None:
         with self._quarantine_lock:
@@ -525,88 +455,31 @@ class StreamingLoader:
         log.warning("quarantined part %s for the rest of the run (loader.on_corrupt = skip; %d part(s) so far): %s",
                     err.part, len(self._quarantine), err)
 
-    def _read_batch(self, item: _Item, rows: list[list[int]]) -> Batch:
-        win, planned = item.window, item.planned
-        ids = win.sample_ids[[p for r in rows for p in r]]
-        if self._readers is None:
-            samples = self._read(ids.tolist())
-            it = iter(samples)
-            t = collate([[next(it) for _ in r] for r in rows], self.feature_dim, alloc=self._alloc)
-        else:
-            t = self._decode_batch(win, rows)
-        n_tokens = int(t["doc_ids"].ge(0).sum())
-        return Batch(**t, sample_ids=torch.from_numpy(ids.astype(np.int64)), bucket=planned.bucket,
-                     epoch=win.epoch, index=planned.index, n_tokens=n_tokens,
-                     n_padded=t["input_ids"].numel() - n_tokens, seed=planned.seed)
-
-    def _alloc(self, rows: int, seq_len: int) -> dict[str, torch.Tensor]:
-        return self._pool.batch_tensors(rows, seq_len, self.feature_dim)
-
-    def _decode_batch(self, win: _Window, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-        """Each document decoded straight into its place in the (pooled) batch tensors; the features in
-        pieces of a few chunks, spread over the decode threads (so that even one batch in flight keeps
-        every reader busy)."""
-        assert self._readers is not None
-        seq_len = max(int(win.lengths[r].sum()) for r in rows)
-        t = self._alloc(len(rows), seq_len)  # features [R, T, n*H], the rest [R, T]
-        _init_padding(t)
-        features = t["features"]
-        pieces = []
-        for r, row in enumerate(rows):
-            off = 0
-            for d, p in enumerate(row):
-                reader = self._readers.get(win.part_infos[int(win.part_index[p])])
-                a, b = reader.span(int(win.rows[p]))
-                n = b - a
-                t["input_ids"][r, off:off + n] = torch.from_numpy(reader.small("input_ids")[a:b])
-                t["loss_mask"][r, off:off + n] = torch.from_numpy(reader.small("loss_mask")[a:b])
-                t["doc_ids"][r, off:off + n] = d
-                t["position_ids"][r, off:off + n] = torch.arange(n, dtype=torch.int64)
-                step = _PIECE_CHUNKS * reader.part.chunk_tokens if self._decoders is not None else b
-                cuts = [a, *range((a // step + 1) * step, b, step), b]  # chunk-aligned inner cuts
-                for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-                    pieces.append((reader, lo, hi, features[r, off + lo - a:off + hi - a]))
-                off += n
-            features[r, off:] = 0
-        self._decode_pieces(pieces)
-        return t
-
-    def _decode_pieces(self, pieces: list[tuple[Any, int, int, torch.Tensor]]) -> None:
-        if self._decoders is None or len(pieces) == 1:
-            for reader, lo, hi, dest in pieces:
-                reader.read_tokens_into(lo, hi, dest)
-            return
-        futures = [self._decoders.submit(reader.read_tokens_into, lo, hi, dest) for reader, lo, hi, dest in pieces]
-        concurrent.futures.wait(futures)  # every piece done (or failed) before the buffer can be dropped
-        for f in futures:
-            f.result()  # the first failure, in batch order
-
     # ---------------------------------------------------------------- consuming
 
     def _ensure_started(self) -> None:
         if self._prefetcher is None:
             epoch, windows, index, identity = self._epoch, self._windows, self._next_index, self._window_identity
-            self._prefetcher = _Prefetcher(lambda stop: self._work(epoch, windows, index, identity, stop),
-                                           self._produce, self.cfg.num_readers, self.cfg.max_buffer_bytes)
+            self._prefetcher = Prefetcher(lambda stop: self._work(epoch, windows, index, identity, stop),
+                                          self._produce, self.cfg.num_readers, self.cfg.max_buffer_bytes)
 
-    def _take(self) -> tuple[_Item, Any, float, int, int, int] | None:
+    def _take(self) -> Delivery[_Item] | None:
         if self._pending is not None:
             got, self._pending = self._pending, None
             return got
         self._ensure_started()
         assert self._prefetcher is not None
-        item, result, wait, depth, ready_bytes, inflight = self._prefetcher.get()
+        got = self._prefetcher.get()
         self.counters.max_inflight_bytes = self._prefetcher.max_reserved
-        return None if item is None else (item, result, wait, depth, ready_bytes, inflight)
+        return got
 
-    def _account(self, item: _Item, result: tuple[Batch | None, int], wait: float, depth: int,
-                 ready_bytes: int, inflight: int) -> Batch | None:
-        batch, dropped = result
-        win = item.window
+    def _account(self, got: Delivery[_Item]) -> Batch | None:
+        batch, dropped = got.result
+        item, win = got.item, got.item.window
         self._next_index = item.planned.index + 1
         self._windows = win.history
         self._window_identity = win.plan.identity
-        self.counters.data_wait_s += wait
+        self.counters.data_wait_s += got.wait_s
         self.counters.dropped_samples += dropped
         if batch is None:
             self.counters.empty_batches += 1
@@ -615,8 +488,9 @@ class StreamingLoader:
             return None
         self.counters.batches += 1
         self.counters.tokens += batch.n_tokens
-        self.last_stats = BatchStats(epoch=batch.epoch, index=batch.index, bucket=batch.bucket, data_wait_s=wait,
-                                     queue_items=depth, queue_bytes=ready_bytes, inflight_bytes=inflight,
+        self.last_stats = BatchStats(epoch=batch.epoch, index=batch.index, bucket=batch.bucket,
+                                     data_wait_s=got.wait_s, queue_items=got.ready_items,
+                                     queue_bytes=got.ready_bytes, inflight_bytes=got.inflight_bytes,
                                      padding_fraction=batch.padding_fraction, n_tokens=batch.n_tokens,
                                      sample_ids=batch.sample_ids.numpy(), n_dropped=dropped)
         return self._to_device(batch)

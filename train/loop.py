@@ -1,8 +1,10 @@
-"""The training loop: :func:`train` assembles the parts, resumes, then loops ``train_step`` → log → maybe
-checkpoint / evaluate, until the planned number of steps.
+"""The training loop: :func:`train` claims the run dir, assembles the parts, resumes, then loops
+``train_step`` → log → maybe evaluate / checkpoint, until the planned number of steps.
 
 Steps are numbered from 1 and count every attempted optimizer step, skipped ones included, so the
-logs have no gaps; the learning-rate schedule counts applied updates only.
+logs have no gaps; the learning-rate schedule counts applied updates only. Each step's record is
+written before the evaluation and checkpoint work that may follow it, and that work is timed on its
+own: the step time and tokens/s are training figures.
 
 Exit codes: 0 done; 2 usage/config/data errors; 3 too many consecutive skipped steps
 (:class:`~train.guards.TooManySkipsError`); 130 / 143 stopped by SIGINT / SIGTERM after a checkpoint.
@@ -10,7 +12,6 @@ Exit codes: 0 done; 2 usage/config/data errors; 3 too many consecutive skipped s
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -25,6 +26,7 @@ from torch import nn
 from dflash_cache.runtime.config import config_to_dict
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import MetricsConfig, PipelineConfig
+from dflash_cache.runtime.switches import env_switch
 from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .batch import Batch
@@ -36,19 +38,22 @@ from .build import (
     build_optimizer,
     build_scheduler,
     drafter_metadata,
+    open_training_cache,
     total_steps_for,
 )
 from .checkpoint import Checkpointer, find_latest
 from .estimate import check_fits
 from .guards import SpikeGuard, TooManySkipsError
-from .metrics import MetricLogger
+from .metrics import MetricLogger, StepTimer
+from .rundir import RunDir
 from .signals import SignalFlag, TrainingInterrupted
 from .state import resume, training_state
 from .step import FaultPlan, StepResult, train_step
 
 log = logging.getLogger(__name__)
 
-RESOLVED_CONFIG_FILE = "config.json"
+# Test hook: seconds each held-out evaluation sleeps (inside its timed span), so a kill can land in it.
+EVAL_DELAY_ENV = "DFLASH_TEST_EVAL_DELAY_S"
 
 
 @dataclass
@@ -74,6 +79,7 @@ class HeldoutEval:
 
         t0 = time.perf_counter()
         res = teacher_forced_eval(model, self.cache, self.sample_ids, max_blocks=self.max_blocks)
+        time.sleep(float(env_switch(EVAL_DELAY_ENV, "0") or 0))
         return {"eval/acceptance_length": res.acceptance_length, "eval/n_blocks": res.n_blocks,
                 "eval/seconds": time.perf_counter() - t0}
 
@@ -91,51 +97,51 @@ def build_heldout_eval(cfg: PipelineConfig, cache: Any) -> HeldoutEval | None:
 
 def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResult:
     """Train (or resume) a drafter on the cache at ``cache_url``, writing everything into ``run_dir``."""
-    from dflash_cache import open_cache
-
-    run_dir = Path(run_dir)
     d = Distributed.start()
     try:
-        return _train(cfg, open_cache(cache_url), run_dir, d)
+        with RunDir.claim(run_dir, d) as run:  # one trainer per run dir; exit 2 if it cannot be written
+            return _train(cfg, open_training_cache(cache_url, cfg.loader), run, d)
     finally:
         d.close()
 
 
-def _train(cfg: PipelineConfig, cache: Any, run_dir: Path, d: Distributed) -> TrainResult:
+def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed) -> TrainResult:
     log.info("training: %s", d.describe())
     budget_cpu_threads(d.device, cfg.loader.num_readers, d.local_world_size)
     check_fits(cfg, cache, d.device)  # before any GPU memory is taken: the worst step must fit
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cache, d.device)
     optimizer = build_optimizer(cfg.train, model)
-    loader = build_loader(cfg.loader, cache, d, seed=cfg.train.seed, epochs=cfg.train.epochs)
-    total_steps = total_steps_for(cfg.train, loader.epoch_lengths(cfg.train.epochs))
+    loader = build_loader(cfg.loader, cache, d, seed=cfg.train.seed, epochs=cfg.train.epochs,
+                          num_anchors=cfg.train.num_anchors, block_size=cfg.model.block_size)
+    # live mode: the cache is still growing, so the run is scheduled by train.max_steps (the schema requires it)
+    total_steps = (cfg.train.max_steps if cfg.loader.live
+                   else total_steps_for(cfg.train, loader.epoch_lengths(cfg.train.epochs)))
     scheduler = build_scheduler(cfg.train, optimizer, total_steps)
     guard = SpikeGuard(cfg.guards)
     resolved = config_to_dict(cfg)
-    ckpt = Checkpointer(run_dir, cfg.checkpoint, config=resolved, cache_fingerprint=cache.spec.fingerprint,
+    ckpt = Checkpointer(run.path, cfg.checkpoint, config=resolved, cache_fingerprint=cache.spec.fingerprint,
                         is_writer=d.is_main, model_metadata=drafter_metadata(model))
     step = start_step = resume(cfg.checkpoint, ckpt, cache, model, optimizer, scheduler, loader, guard, d)
-    if d.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RESOLVED_CONFIG_FILE).write_text(json.dumps(resolved, indent=1))
-    metrics = MetricLogger(run_dir, cfg.metrics, resume_step=step, enabled=d.is_main)
+    run.write_config(resolved, d)
+    metrics = MetricLogger(run.path, cfg.metrics, resume_step=step, enabled=d.is_main, run_config=resolved)
     loss_module = build_loss_module(cfg.train, model, d)
     faults = FaultPlan.from_env()
     signals = SignalFlag(cfg.checkpoint.save_on_signal)
     progress = _progress_bar(cfg.metrics, step, total_steps, d)
     batches = batch_stream(loader, cfg.train.epochs)
-    stopped_by, stop_signal = "done", None
     heldout = build_heldout_eval(cfg, cache) if cfg.eval.every_steps and d.is_main else None
+    timer = StepTimer()
+    stopped_by, stop_signal = "done", None
 
     def save(at_step: int) -> dict[str, Any]:
+        metrics.flush()  # durable first: a committed checkpoint never runs ahead of its logged steps
         state = training_state(at_step, optimizer, scheduler, loader, guard, cache, d)
         stats = ckpt.save(at_step, model.state_dict(), state)
         # blocking = waiting for the previous write (if still running) + the host snapshot
-        return {"ckpt_blocking_ms": stats.blocking_ms, "ckpt_wait_ms": stats.wait_ms, "ckpt_saved_step": at_step}
+        return {"ckpt/blocking_ms": stats.blocking_ms, "ckpt/wait_ms": stats.wait_ms}
 
     try:
-        t_prev, cpu_prev = time.perf_counter(), time.thread_time()
         while step < total_steps:
             t_data = time.perf_counter()
             micro = _micro_batches(batches, cfg.train.grad_accum)
@@ -145,30 +151,28 @@ def _train(cfg: PipelineConfig, cache: Any, run_dir: Path, d: Distributed) -> Tr
             step += 1
             model.train()
             res = train_step(step, micro, loss_module, optimizer, scheduler, guard, cfg.train, d, faults)
-            record = _step_record(res, micro, loader, guard, data_wait_ms)
-            stop_signal = signals.agreed(d)  # read once: a later signal counts next step
-            if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop_signal:
-                record.update(save(step))
-            record.update(_completed_saves(ckpt))
-            if heldout is not None and step % cfg.eval.every_steps == 0:
-                record.update(heldout.evaluate(model))
-            now, cpu_now = time.perf_counter(), time.thread_time()
-            record["step_time_s"] = now - t_prev
-            record["perf/step_cpu_s"] = cpu_now - cpu_prev  # training thread only: robust to other load
-            record["tokens_per_s"] = record["n_tokens"] * d.world_size / max(now - t_prev, 1e-9)
-            t_prev, cpu_prev = now, cpu_now
-            metrics.log(step, record)
+            record = _step_record(res, micro, loader, guard, data_wait_ms, timer.lap(), d.world_size)
+            metrics.log(step, record)  # before the slow work below: a kill during it loses no step
             _update_progress(progress, res, record)
             if res.verdict.skip:
                 _log_skip(step, res, micro)
+            stop_signal = signals.agreed(d)  # read once: a later signal counts next step
+            with timer.excluded():  # timed as eval/seconds and ckpt/blocking_ms, not as training
+                if heldout is not None and step % cfg.eval.every_steps == 0 and not stop_signal:
+                    metrics.log(step, heldout.evaluate(model), kind="eval")
+                if step % cfg.checkpoint.every_steps == 0 or step == total_steps or stop_signal:
+                    metrics.log(step, save(step), kind="save")
+            _log_commits(metrics, ckpt, step)
             if guard.should_stop:
-                _stop_on_skips(step, guard, ckpt, run_dir)
+                _stop_on_skips(step, guard, ckpt, run.path)
             if stop_signal:
                 stopped_by = signal.Signals(stop_signal).name
                 break
         if step > start_step and ckpt.last_saved_step != step:  # the data ran out before total_steps
-            save(step)
+            log.info("the data ended at step %d of %d", step, total_steps)
+            metrics.log(step, save(step), kind="save")
         ckpt.wait()
+        _log_commits(metrics, ckpt, step)  # the last save's commit too
     finally:
         signals.restore()
         if progress is not None:
@@ -178,10 +182,10 @@ def _train(cfg: PipelineConfig, cache: Any, run_dir: Path, d: Distributed) -> Tr
         loader.close()
     if stopped_by != "done":
         raise TrainingInterrupted(
-            f"stopped by {stopped_by} after step {step}; checkpoint saved in {run_dir / 'checkpoints'}. "
+            f"stopped by {stopped_by} after step {step}; checkpoint saved in {run.path / 'checkpoints'}. "
             "Rerun the same command to resume.", stop_signal or signal.SIGTERM,
         )
-    return TrainResult(step, total_steps, guard.total_skips, find_latest(run_dir) if d.is_main else None, "done")
+    return TrainResult(step, total_steps, guard.total_skips, find_latest(run.path) if d.is_main else None, "done")
 
 
 def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch] | None:
@@ -194,34 +198,37 @@ def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch] | None:
     return out
 
 
-def _completed_saves(ckpt: Checkpointer) -> dict[str, Any]:
-    """Background writes that finished since the last step (normally at most one)."""
-    out: dict[str, Any] = {}
+def _log_commits(metrics: MetricLogger, ckpt: Checkpointer, step: int) -> None:
+    """Background checkpoint writes that finished since the last call (normally at most one)."""
     for done_step, write_s in ckpt.pop_completed():
-        out["ckpt_write_s"], out["ckpt_committed_step"] = write_s, done_step
-    return out
+        metrics.log(step, {"ckpt/write_s": write_s, "ckpt/committed_step": done_step}, kind="commit")
 
 
-def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: SpikeGuard,
-                 data_wait_ms: float) -> dict[str, Any]:
-    """The per-step metrics (JSONL keys; TensorBoard tags are derived from them)."""
+def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: SpikeGuard, data_wait_ms: float,
+                 lap: tuple[float, float], world_size: int) -> dict[str, Any]:
+    """The step's training record (keys are the tags, listed in docs/metrics.md). ``lap``: wall and
+    training-thread CPU seconds of the step, evaluation and checkpoint time excluded."""
     n_tokens = sum(b.n_tokens for b in micro)
     n_padded = sum(b.n_padded for b in micro)
+    wall_s, cpu_s = lap
     rec: dict[str, Any] = {
-        "loss": res.loss,
-        "acceptance_length": res.metrics["acceptance_length"],
-        "lr": res.lr,
-        "grad_norm": res.grad_norm,
-        "skipped": int(res.verdict.skip),
-        "skipped_total": guard.total_skips,
-        "loss_z": res.verdict.loss_z,
-        "grad_norm_z": res.verdict.grad_z,
-        "n_tokens": n_tokens,
-        "n_blocks": res.metrics["n_blocks"],
-        "padding_fraction": n_padded / max(1, n_tokens + n_padded),
-        "epoch": micro[-1].epoch,
-        "batch_index": micro[-1].index,
-        "bucket": micro[-1].bucket,
+        "train/loss": res.loss,
+        "train/acceptance_length": res.metrics["acceptance_length"],
+        "train/lr": res.lr,
+        "train/grad_norm": res.grad_norm,
+        "train/skipped": int(res.verdict.skip),
+        "train/skipped_total": guard.total_skips,
+        "train/loss_z": res.verdict.loss_z,
+        "train/grad_norm_z": res.verdict.grad_z,
+        "train/n_tokens": n_tokens,
+        "train/n_blocks": res.metrics["n_blocks"],
+        "train/padding_fraction": n_padded / max(1, n_tokens + n_padded),
+        "train/epoch": micro[-1].epoch,
+        "train/batch_index": micro[-1].index,
+        "train/bucket": micro[-1].bucket,
+        "train/step_time_s": wall_s,
+        "train/tokens_per_s": n_tokens * world_size / max(wall_s, 1e-9),
+        "perf/step_cpu_s": cpu_s,  # training thread only: robust to other processes' load
         "perf/data_wait_ms": data_wait_ms,
     }
     for k, acc in enumerate(res.metrics["accuracy_per_position"], start=1):
@@ -234,8 +241,8 @@ def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: Sp
         rec["perf/queue_mb"] = stats.queue_bytes / 2**20
         rec["perf/loader_wait_ms"] = stats.data_wait_s * 1e3
     if res.verdict.skip:
-        rec["skip_reason"] = res.verdict.reason
-        rec["skipped_sample_ids"] = [int(i) for b in micro for i in b.sample_ids.tolist()]
+        rec["train/skip_reason"] = res.verdict.reason
+        rec["train/skipped_sample_ids"] = [int(i) for b in micro for i in b.sample_ids.tolist()]
     return rec
 
 
@@ -251,9 +258,9 @@ def _stop_on_skips(step: int, guard: SpikeGuard, ckpt: Checkpointer, run_dir: Pa
     where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
     raise TooManySkipsError(
         f"{guard.consecutive_skips} consecutive steps were skipped by the guards (up to step {step}; "
-        f"see skip_reason in {run_dir / 'metrics.jsonl'} or run `dflash-train report {run_dir}`); "
-        f"{where}. Lower train.lr, check the data of the listed sample ids, or raise "
-        "guards.max_consecutive_skips / guards.z_threshold."
+        f"see train/skip_reason in {run_dir / 'metrics.jsonl'} or run `dflash-train report {run_dir}`); "
+        f"{where}. Check the data of the listed sample ids, raise guards.max_consecutive_skips / "
+        "guards.z_threshold, or lower train.lr (a changed lr resumes with --set checkpoint.allow_config_change=true)."
     )
 
 
@@ -269,5 +276,5 @@ def _update_progress(progress: Any, res: StepResult, rec: dict[str, Any]) -> Non
     if progress is None:
         return
     progress.update(1)
-    progress.set_postfix(loss=f"{res.loss:.3f}", tau=f"{rec['acceptance_length']:.2f}",
-                         tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+    progress.set_postfix(loss=f"{res.loss:.3f}", tau=f"{rec['train/acceptance_length']:.2f}",
+                         tok_s=f"{rec['train/tokens_per_s']:.0f}", refresh=False)

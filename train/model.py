@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_cache.errors import ConfigError, SpecMismatchError
+from dflash_cache.runtime.schema import ModelConfig
 
 from .attention import AttentionBackend, BlockLayout, WithinBlock, attend, resolve_backend
 
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURE = "DFlashDraftModel"
 _HF_ONLY_KEYS = {"architectures", "auto_map", "dflash_config", "model_type", "dtype", "torch_dtype"}
+
+
+_MODEL_DEFAULTS = ModelConfig()  # the config schema holds each default once
 
 
 @dataclass
@@ -58,9 +62,9 @@ class DFlashConfig:
     mask_token_id: int
     target_layer_ids: list[int]
     num_target_layers: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 40960
+    rms_norm_eps: float = _MODEL_DEFAULTS.rms_norm_eps
+    rope_theta: float = _MODEL_DEFAULTS.rope_theta
+    max_position_embeddings: int = _MODEL_DEFAULTS.max_position_embeddings
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     # how sliding_attention layers attend within the draft block; full_attention layers are always bidirectional
@@ -167,8 +171,10 @@ class DFlashConfig:
             block_size=int(dc.get("block_size", d.get("block_size", 16))), mask_token_id=int(mask_id),
             target_layer_ids=[int(i) for i in layer_ids],
             num_target_layers=int(d.get("num_target_layers", dc.get("num_target_layers", max(layer_ids) + 3))),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e6))),
-            max_position_embeddings=d.get("max_position_embeddings", 40960), layer_types=d.get("layer_types"),
+            rms_norm_eps=d.get("rms_norm_eps", _MODEL_DEFAULTS.rms_norm_eps),
+            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", _MODEL_DEFAULTS.rope_theta))),
+            max_position_embeddings=d.get("max_position_embeddings", _MODEL_DEFAULTS.max_position_embeddings),
+            layer_types=d.get("layer_types"),
             sliding_window=d.get("sliding_window"), attention_bias=bool(d.get("attention_bias", False)),
             sliding_within_block=str(dc.get("sliding_within_block", "bidirectional")), extra=extra,
         )

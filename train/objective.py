@@ -113,9 +113,7 @@ class Blocks:
         """The same blocks on ``device`` (the index work may run where the batch's token ids are)."""
         if self.targets.device == device:
             return self
-        lay = self.layout
-        layout = BlockLayout(lay.anchors.to(device), lay.ctx_doc.to(device), lay.ctx_pos.to(device), lay.block_size)
-        return Blocks(layout, self.block_ids.to(device), self.block_positions.to(device), self.targets.to(device),
+        return Blocks(self.layout.to(device), self.block_ids.to(device), self.block_positions.to(device), self.targets.to(device),
                       self.row_valid.to(device))
 
 
@@ -128,12 +126,14 @@ class FlatBatch:
     docs: Tensor  # [C] document ids unique across rows (-1 padding)
     positions: Tensor  # [C] position within the document
     eligible: Tensor  # [C] bool: may anchor a block
+    row_tokens: int  # T: positions per row of the batch
 
     @classmethod
     def of(cls, batch: BatchLike) -> FlatBatch:
         eligible = eligible_anchors(batch.loss_mask, batch.doc_ids).reshape(-1)
         return cls(batch.input_ids.reshape(-1).long(), batch.loss_mask.reshape(-1).bool(),
-                   global_doc_ids(batch.doc_ids), batch.position_ids.reshape(-1).long(), eligible)
+                   global_doc_ids(batch.doc_ids), batch.position_ids.reshape(-1).long(), eligible,
+                   int(batch.input_ids.shape[1]))
 
 
 def build_blocks(flat: FlatBatch, anchors: Tensor, block_size: int, mask_token_id: int) -> Blocks:
@@ -149,7 +149,8 @@ def build_blocks(flat: FlatBatch, anchors: Tensor, block_size: int, mask_token_i
     block_ids = torch.full((anchors.shape[0], B), mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = flat.input_ids[anchors]
     block_positions = flat.positions[anchors].unsqueeze(-1) + k  # [A, B]
-    layout = BlockLayout(anchors=anchors, ctx_doc=flat.docs, ctx_pos=flat.positions, block_size=B)
+    layout = BlockLayout(anchors=anchors, ctx_doc=flat.docs, ctx_pos=flat.positions, block_size=B,
+                         row_tokens=flat.row_tokens)
     return Blocks(layout, block_ids, block_positions, targets, row_valid)
 
 

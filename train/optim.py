@@ -85,12 +85,14 @@ def optimizer_parts(optimizer_or_state: Any) -> list[str]:
     return ["adamw"]
 
 
-def check_resumable(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], where: str) -> None:
-    """Refuse to load an optimizer state written under another ``train.optimizer``."""
+def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], where: str) -> None:
+    """Refuse to load an optimizer state written under another ``train.optimizer`` (a changed config is
+    refused before this unless ``checkpoint.allow_config_change``; even then the state cannot carry over)."""
     have, saved_parts = optimizer_parts(optimizer), optimizer_parts(saved)
     if have != saved_parts:
         raise DFlashError(
             f"checkpoint {where} holds the state of optimizer(s) {'+'.join(saved_parts)}, but this run builds "
-            f"{'+'.join(have)}; resume with the train.optimizer it was trained with, or start a new --run-dir"
+            f"{'+'.join(have)}; that state cannot be carried to another train.optimizer (not even with "
+            "checkpoint.allow_config_change): resume with the one it was trained with, or start a new --run-dir "
+            "(model.init_from an export of this run keeps the weights)"
         )
-

@@ -2,10 +2,11 @@
 
 Lists loss spikes (robust z-score against a trailing window of earlier accepted steps) with their
 step, bucket and grad norm; steps the guards skipped and why; gaps and duplicates in the step
-sequence; checkpoint saves with their blocking and background write times; whether spikes
-coincide with saves, epoch boundaries or particular buckets; and loader starvation (data wait,
-queue depth trend). With ``--png`` one figure: loss and acceptance length over steps with spikes,
-skips and checkpoint saves marked.
+sequence; checkpoint saves with their blocking and background write times; held-out evaluations;
+where the wall time went (training steps, evaluation, checkpoint blocking); whether spikes coincide
+with saves, epoch boundaries or particular buckets; and loader starvation (data wait, queue depth
+trend). With ``--png`` one figure: loss and acceptance length (training and held-out) over steps with
+spikes, skips and checkpoint saves marked.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ class RunReport:
     spikes: list[Spike]
     skips: list[Skip]
     saves: list[tuple[int, float]]  # (step, blocking ms)
-    commits: list[tuple[int, float]]  # (step, background write s)
+    commits: list[tuple[int, float]]  # (checkpoint step, background write s)
     epoch_boundaries: list[int]
     bucket_steps: dict[int, int]
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out acceptance length)
+    seconds: dict[str, float] = field(default_factory=dict)  # training steps / eval / checkpoint blocking
     data_wait_ms: dict[str, float] = field(default_factory=dict)
     queue_depth: dict[str, float] = field(default_factory=dict)
 
@@ -83,7 +86,7 @@ def find_spikes(records: list[dict[str, Any]], window: int, z_threshold: float, 
     history: list[float] = []
     spikes = []
     for r in records:
-        loss = _num(r.get("loss"))
+        loss = _num(r.get("train/loss"))
         if not math.isfinite(loss):
             continue
         if len(history) >= min_history:
@@ -91,11 +94,11 @@ def find_spikes(records: list[dict[str, Any]], window: int, z_threshold: float, 
             if z > z_threshold:
                 s = int(r["step"])
                 spikes.append(Spike(
-                    step=s, loss=loss, z=z, bucket=r.get("bucket"), grad_norm=_num(r.get("grad_norm")),
-                    skipped=bool(r.get("skipped")), near_checkpoint=bool({s - 1, s, s + 1} & save_steps),
+                    step=s, loss=loss, z=z, bucket=r.get("train/bucket"), grad_norm=_num(r.get("train/grad_norm")),
+                    skipped=bool(r.get("train/skipped")), near_checkpoint=bool({s - 1, s, s + 1} & save_steps),
                     epoch_boundary=s in boundaries,
                 ))
-        if not r.get("skipped"):
+        if not r.get("train/skipped"):
             history.append(loss)
     return spikes
 
@@ -114,24 +117,39 @@ def _summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def analyze(records: list[dict[str, Any]], window: int = 64, z_threshold: float = 6.0,
+def _of_kind(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("kind", "train") == kind]
+
+
+def analyze(all_records: list[dict[str, Any]], window: int = 64, z_threshold: float = 6.0,
             min_history: int = 8) -> RunReport:
-    """Everything the report prints, computed from the per-step records."""
+    """Everything the report prints, computed from the records of ``metrics.jsonl`` (every kind)."""
+    records = _of_kind(all_records, "train")
     steps = [int(r["step"]) for r in records]
     missing, dup = _step_sequence(steps)
-    saves = [(int(r["step"]), _num(r["ckpt_blocking_ms"])) for r in records if "ckpt_blocking_ms" in r]
-    commits = [(int(r["ckpt_committed_step"]), _num(r["ckpt_write_s"])) for r in records if "ckpt_write_s" in r]
-    boundaries = [int(b["step"]) for a, b in zip(records, records[1:], strict=False) if a.get("epoch") != b.get("epoch")]
+    saves = [(int(r["step"]), _num(r.get("ckpt/blocking_ms"))) for r in _of_kind(all_records, "save")]
+    commits = [(int(r["ckpt/committed_step"]), _num(r.get("ckpt/write_s"))) for r in _of_kind(all_records, "commit")]
+    evals = [(int(r["step"]), _num(r.get("eval/acceptance_length"))) for r in _of_kind(all_records, "eval")]
+    boundaries = [int(b["step"]) for a, b in zip(records, records[1:], strict=False)
+                  if a.get("train/epoch") != b.get("train/epoch")]
     spikes = find_spikes(records, window, z_threshold, min_history, {s for s, _ in saves}, set(boundaries))
-    skips = [Skip(int(r["step"]), str(r.get("skip_reason")), r.get("bucket"), r.get("grad_norm"),
-                  list(r.get("skipped_sample_ids", []))) for r in records if r.get("skipped")]
+    skips = [Skip(int(r["step"]), str(r.get("train/skip_reason")), r.get("train/bucket"), r.get("train/grad_norm"),
+                  list(r.get("train/skipped_sample_ids", []))) for r in records if r.get("train/skipped")]
+    seconds = {"training steps": sum(_finite(_num(r.get("train/step_time_s"))) for r in records),
+               "held-out eval": sum(_finite(_num(r.get("eval/seconds"))) for r in _of_kind(all_records, "eval")),
+               "checkpoint blocking": sum(_finite(ms) for _, ms in saves) / 1e3}
     return RunReport(
         n_records=len(records), first_step=min(steps, default=0), last_step=max(steps, default=0),
         missing_steps=missing, duplicate_steps=dup, spikes=spikes, skips=skips, saves=saves, commits=commits,
-        epoch_boundaries=boundaries, bucket_steps=dict(Counter(r.get("bucket") for r in records)),
+        epoch_boundaries=boundaries, bucket_steps=dict(Counter(r.get("train/bucket") for r in records)),
+        evals=evals, seconds=seconds,
         data_wait_ms=_summary([_num(r.get("perf/data_wait_ms")) for r in records]),
         queue_depth=_summary([_num(r.get("perf/queue_depth")) for r in records if "perf/queue_depth" in r]),
     )
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
 
 
 def _fmt_steps(steps: list[int], limit: int = 20) -> str:
@@ -166,6 +184,11 @@ def format_report(rep: RunReport, run_dir: str | Path) -> str:
         write = written.get(step)
         out.append(f"  step {step}: blocked {ms:.1f} ms" + (
             f", written in {write:.2f} s" if write is not None else ", commit not logged (run ended or killed)"))
+    if rep.evals:
+        best = max(rep.evals, key=lambda e: e[1])
+        out.append(f"held-out eval: {len(rep.evals)} at steps {_fmt_steps([s for s, _ in rep.evals])}; acceptance "
+                   f"length {rep.evals[0][1]:.3f} -> {rep.evals[-1][1]:.3f} (best {best[1]:.3f} at step {best[0]})")
+    out.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in rep.seconds.items()))
     out.append(f"epoch boundaries at steps: {_fmt_steps(rep.epoch_boundaries) or '-'}")
     out.append(_loader_line(rep))
     return "\n".join(out)
@@ -197,23 +220,69 @@ def _loader_line(rep: RunReport) -> str:
     return line
 
 
-def plot_report(records: list[dict[str, Any]], rep: RunReport, path: str | Path) -> None:
-    """One PNG: loss (log scale) and acceptance length over steps; spikes, skips, saves marked."""
+def loss_ticks(lo: float, hi: float, most: int = 8) -> list[float]:
+    """Round tick values for a log-scale axis over ``[lo, hi]``: the densest series of round numbers per
+    decade that puts at most ``most`` ticks in range; every k-th power of ten over many decades; evenly
+    spaced round numbers over a narrow range."""
+    from matplotlib.ticker import MaxNLocator
+
+    d0, d1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+
+    def series(subs: tuple[float, ...]) -> list[float]:
+        return [m * 10.0**d for d in range(d0, d1 + 1) for m in subs if lo <= m * 10.0**d <= hi]
+
+    for subs in ((1, 1.5, 2, 3, 4, 5, 6, 8), (1, 2, 3, 5, 7), (1, 2, 5), (1,)):
+        ticks = series(subs)
+        if len(ticks) <= most:
+            break
+    else:
+        k = math.ceil((d1 - d0 + 1) / most)
+        return [10.0**d for d in range(d0, d1 + 1, k) if lo <= 10.0**d <= hi]
+    if len(ticks) < 3:
+        return [float(v) for v in MaxNLocator(5).tick_values(lo, hi) if lo <= v <= hi]
+    return ticks
+
+
+def plot_report(records: list[dict[str, Any]], rep: RunReport, path: str | Path, title: str = "") -> None:
+    """One PNG: loss (log scale) and acceptance length (training and held-out) over steps; spikes, skips and
+    saves marked. ``records``: every record of ``metrics.jsonl``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = report_figure(records, rep, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_figure(all_records: list[dict[str, Any]], rep: RunReport, title: str = "") -> Any:
+    """The figure of :func:`plot_report` (a matplotlib Figure); legend entries only for what occurred."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    records = _of_kind(all_records, "train")
     steps = [int(r["step"]) for r in records]
     fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5))
-    ax1.plot(steps, [_num(r.get("loss")) for r in records], lw=0.8, label="loss")
-    if any("loss_smooth" in r for r in records):
-        ax1.plot(steps, [_num(r.get("loss_smooth")) for r in records], lw=1.2, label="loss (smoothed)")
+    if title:
+        fig.suptitle(title)
+    ax1.plot(steps, [_num(r.get("train/loss")) for r in records], lw=0.8, label="loss")
+    if any("train/loss_smooth" in r for r in records):
+        ax1.plot(steps, [_num(r.get("train/loss_smooth")) for r in records], lw=1.2, label="loss (smoothed)")
     ax1.set_yscale("log")
-    ax1.scatter([s.step for s in rep.spikes], [s.loss for s in rep.spikes], color="red", marker="x", zorder=3,
-                label="spike")
-    ax2.plot(steps, [_num(r.get("acceptance_length")) for r in records], lw=0.8, color="tab:green",
-             label="acceptance length")
+    losses = [v for r in records for v in (_num(r.get("train/loss")),) if math.isfinite(v) and v > 0]
+    if losses:  # plain round numbers (2, 3, 5 ...) instead of matplotlib's sparse 10^x labels
+        ax1.yaxis.set_major_locator(FixedLocator(loss_ticks(min(losses), max(losses))))
+        ax1.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax1.yaxis.set_minor_locator(NullLocator())
+    if rep.spikes:
+        ax1.scatter([s.step for s in rep.spikes], [s.loss for s in rep.spikes], color="red", marker="x", zorder=3,
+                    label="loss spike")
+    ax2.plot(steps, [_num(r.get("train/acceptance_length")) for r in records], lw=0.8, color="tab:green",
+             label="acceptance length (training batches)")
+    if rep.evals:
+        ax2.plot([s for s, _ in rep.evals], [v for _, v in rep.evals], color="tab:purple", marker="o", ms=4, lw=1.2,
+                 label="acceptance length (held-out eval)")
     for ax in (ax1, ax2):
         for i, k in enumerate(rep.skips):
             ax.axvline(k.step, color="orange", lw=1.0, alpha=0.8, label="skipped step" if i == 0 else None)
@@ -224,8 +293,7 @@ def plot_report(records: list[dict[str, Any]], rep: RunReport, path: str | Path)
     ax2.set_ylabel("acceptance length")
     ax2.set_xlabel("optimizer step")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
@@ -235,13 +303,13 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=64, help="trailing window (steps) for spike z-scores")
     p.add_argument("--z", type=float, default=6.0, help="robust z-score above which a loss is a spike")
     args = p.parse_args(argv)
-    records = read_metrics(args.run_dir)
+    records = read_metrics(args.run_dir, kind=None)
     if not records:
         raise DFlashError(f"{Path(args.run_dir) / METRICS_FILE} is missing or empty; is {args.run_dir} a "
                           "run directory written by dflash-train (--run-dir)?")
     rep = analyze(records, window=args.window, z_threshold=args.z)
     print(format_report(rep, args.run_dir))
     if args.png:
-        plot_report(records, rep, args.png)
+        plot_report(records, rep, args.png, title=f"dflash-train run {Path(args.run_dir)}")
         print(f"figure: {args.png}")
     return 0

@@ -1,24 +1,128 @@
 """What a resume needs beyond the weights: RNG states, the training state dict, and the checks that the
-checkpoint belongs to this cache and this job shape before anything is loaded."""
+checkpoint belongs to this cache, this job shape and this config before anything is loaded."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dflash_cache.errors import DFlashError, SpecMismatchError
+from dflash_cache.errors import ConfigError, DFlashError, SpecMismatchError
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import CheckpointConfig
 
-from .checkpoint import Checkpointer, LoadedCheckpoint
+from .checkpoint import Checkpointer, CheckpointError, LoadedCheckpoint, list_checkpoints
 from .guards import SpikeGuard
-from .optim import check_resumable
+from .metrics import METRICS_FILE, archive_metrics, read_metrics
+from .optim import check_optimizer_state
 
 log = logging.getLogger(__name__)
+
+# How each config field takes part in a resume; the longest matching dotted prefix decides.
+#   "result": the resumed run would compute something else (model shape, optimizer, lr schedule ...): a change
+#             is refused unless checkpoint.allow_config_change, and then applies from the resumed step on;
+#   "plan":   the loader resumes at a batch index of the plan these fields shape: a change is always refused;
+#   "free":   bookkeeping, speed and safety knobs (logging, eval, checkpoint cadence, guards, reader threads):
+#             a change is logged. Extraction's sections are checked through the cache fingerprint instead.
+# tests/test_rundir.py checks that every schema field is covered.
+RESUME_RULES: dict[str, str] = {
+    "teacher": "free", "data": "free", "regenerate": "free", "cache": "free", "extract": "free",
+    "model": "result",
+    "train": "result",
+    "train.seed": "plan",
+    "train.logits_chunk_rows": "free",  # memory bound of the loss; same result
+    "loader": "free",
+    "loader.tokens_per_batch": "plan", "loader.max_block_positions": "plan", "loader.packing": "plan",
+    "loader.pack_row_tokens": "plan", "loader.sort_window": "plan", "loader.holdout_fraction": "plan",
+    "loader.live": "plan",
+    "checkpoint": "free", "guards": "free", "eval": "free", "metrics": "free",
+}
+
+
+def resume_rule(field: str) -> str:
+    """The :data:`RESUME_RULES` class of a dotted config field."""
+    parts = field.split(".")
+    for n in range(len(parts), 0, -1):
+        rule = RESUME_RULES.get(".".join(parts[:n]))
+        if rule is not None:
+            return rule
+    return "result"  # an unclassified field: the safe side
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and d:
+        return {k: v for key, sub in d.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: d}
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, list[str]]:
+    """Fields whose value differs, by :func:`resume_rule` class, each as ``"field: old -> new"``."""
+    old, new = _flatten(saved), _flatten(json.loads(json.dumps(current)))  # tuples compare as JSON lists
+    out: dict[str, list[str]] = {"result": [], "plan": [], "free": []}
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            was, now = (json.dumps(c[key]) if key in c else "<absent>" for c in (old, new))
+            out[resume_rule(key)].append(f"{key}: {was} -> {now}")
+    return out
+
+
+def check_config_compatible(ckpt: LoadedCheckpoint, current: dict[str, Any], allow_change: bool) -> bool:
+    """Refuse a resume whose config changes the result (unless allowed) or the data plan; log free changes.
+    Returns whether result-changing fields changed (their new values must then be applied)."""
+    changes = config_changes(ckpt.config, current)
+    if changes["plan"]:
+        raise ConfigError(
+            f"checkpoint {ckpt.path} was trained with another data plan; changed: {'; '.join(changes['plan'])}. "
+            "The loader resumes at a batch index of the saved plan, so these cannot change mid-run: restore them, "
+            "or start a new --run-dir (e.g. with model.init_from pointing at an export of this run)"
+        )
+    if changes["result"] and not allow_change:
+        raise ConfigError(
+            f"the config differs from checkpoint {ckpt.path}'s in fields that change the result: "
+            f"{'; '.join(changes['result'])}. Rerun with the checkpoint's values (see {ckpt.path / 'config.json'}), "
+            "use a new --run-dir, or apply the change from this step on with "
+            "--set checkpoint.allow_config_change=true"
+        )
+    if changes["result"]:
+        log.warning("resuming %s with a changed config (checkpoint.allow_config_change): %s", ckpt.path,
+                    "; ".join(changes["result"]))
+    if changes["free"]:
+        log.info("resuming with changed settings that do not change the result: %s", "; ".join(changes["free"]))
+    return bool(changes["result"])
+
+
+def check_resumable(run_dir: Path, discard_invalid: bool) -> None:
+    """Called when no checkpoint of ``run_dir`` is valid: refuse to restart from step 0 over checkpoints that
+    exist (torn or corrupt), unless ``discard_invalid`` moves them aside; a metrics file of an attempt that
+    never committed a checkpoint is moved aside (its steps are recomputed)."""
+    found = list_checkpoints(run_dir)
+    if found and not discard_invalid:
+        raise CheckpointError(
+            f"{run_dir} holds {len(found)} checkpoint(s) ({', '.join(p.name for _, p in found)}) but none is valid "
+            f"(see the warnings above), and {len(read_metrics(run_dir))} logged steps in {METRICS_FILE}; starting "
+            "from step 0 would overwrite them. Restore a checkpoint, use a new --run-dir, or start over here with "
+            "--set checkpoint.discard_invalid=true (moves them to RUN/discarded-<time>/)"
+        )
+    if found:
+        target = run_dir / f"discarded-{int(time.time())}"
+        target.mkdir()
+        for name in ("checkpoints", METRICS_FILE):
+            if (run_dir / name).exists():
+                os.replace(run_dir / name, target / name)
+        log.warning("no valid checkpoint in %s: moved %s and the metrics to %s; starting from step 0 "
+                    "(checkpoint.discard_invalid)", run_dir, [p.name for _, p in found], target)
+        return
+    moved = archive_metrics(run_dir)
+    if moved is not None:
+        log.warning("%s held the metrics of an attempt that committed no checkpoint; they are kept in %s and "
+                    "training starts from step 0", run_dir, moved)
 
 
 def rng_state() -> dict[str, Any]:
@@ -82,6 +186,8 @@ def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, op
     """Load the latest valid checkpoint of the run into every component; returns its step (0: none)."""
     latest = ckpt.load_latest()
     if latest is None:
+        if d.is_main:
+            check_resumable(ckpt.root.parent, ckpt_cfg.discard_invalid)
         return 0
     if not ckpt_cfg.resume:
         raise DFlashError(
@@ -97,12 +203,31 @@ def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, op
             f"{d.world_size}; each rank resumes its own slice of the plan, so resume with "
             f"--nproc-per-node {saved_world} (or start a new --run-dir)"
         )
-    check_resumable(optimizer, latest.state["optimizer"], str(latest.path))
+    changed = check_config_compatible(latest, ckpt.config, ckpt_cfg.allow_config_change)
+    check_optimizer_state(optimizer, latest.state["optimizer"], str(latest.path))
+    fresh = _hyperparameters(optimizer, scheduler)  # what this run's config asks for
     model.load_state_dict(latest.model)
     optimizer.load_state_dict(latest.state["optimizer"])
     scheduler.load_state_dict(latest.state["scheduler"])
+    if changed:  # the loaded state carries the old lr / betas / weight decay: the new config wins from here
+        _apply_hyperparameters(optimizer, scheduler, fresh)
     loader.load_state_dict(latest.state["loader"][d.rank])
     guard.load_state_dict(latest.state["guard"])
     set_rng_state(latest.state["rng"][d.rank])
     log.info("resumed from %s (step %d)", latest.path, latest.step)
     return latest.step
+
+
+def _hyperparameters(optimizer, scheduler) -> tuple[list[dict[str, Any]], list[float]]:
+    groups = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
+    return groups, list(scheduler.base_lrs)
+
+
+def _apply_hyperparameters(optimizer, scheduler, fresh: tuple[list[dict[str, Any]], list[float]]) -> None:
+    """Put a freshly built optimizer's settings and the new peak lr into the loaded optimizer / scheduler,
+    with the lr of the resumed step under the new schedule."""
+    groups, base_lrs = fresh
+    scheduler.base_lrs = list(base_lrs)
+    for g, settings, base, fn in zip(optimizer.param_groups, groups, base_lrs, scheduler.lr_lambdas, strict=True):
+        g.update(settings)
+        g["lr"] = base * fn(scheduler.last_epoch)

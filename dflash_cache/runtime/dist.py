@@ -10,9 +10,12 @@ rendezvous key-value store (rank 0 reads the other ranks' progress counters from
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -139,6 +142,31 @@ class Distributed:
         box = [value]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def decided_by_main(self, key: str, decide: Callable[[], Any], stop: threading.Event | None = None,
+                        poll_s: float = 0.1) -> Any:
+        """Rank 0's ``decide()`` (a JSON-able value) on every rank, agreed once per ``key``.
+
+        Safe from any thread, unlike :meth:`broadcast_object`: the value goes through the rendezvous store,
+        not a collective, so it cannot interleave with the training thread's collectives, and a rank that is
+        told to ``stop`` while waiting returns None instead of blocking in a collective its peers left."""
+        if not self.enabled:
+            return decide()
+        if self.store is None:
+            raise ConfigError("ranks can agree only through the rendezvous store of Distributed.start(), but the "
+                              "process group was initialised elsewhere; start the job with torchrun or "
+                              "accelerate launch and let the command join the group")
+        name = f"dflash/decided/{key}"
+        if self.is_main:
+            value = decide()
+            self.store.set(name, json.dumps(value))
+            return value
+        while not self.store.check([name]):
+            if stop is not None and stop.wait(poll_s):
+                return None
+            if stop is None:
+                time.sleep(poll_s)
+        return json.loads(self.store.get(name))
 
     def sum_counts(self, counts: dict[str, float]) -> dict[str, float]:
         """Element-wise sum of ``counts`` over ranks (same keys on every rank)."""

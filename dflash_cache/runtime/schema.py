@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class Section(BaseModel):
@@ -82,10 +83,15 @@ class CacheConfig(Section):
     chunk_tokens: int = Field(256, gt=0)  # inner chunk length along tokens
     shard_tokens: int = Field(16384, gt=0)  # tokens per shard file
 
+    @field_validator("bucket_edges")
+    @classmethod
+    def _check_edges(cls, edges: list[int]) -> list[int]:
+        if sorted(set(edges)) != edges or any(e <= 0 for e in edges):
+            raise ValueError(f"must be strictly increasing positive token lengths, got {edges}")
+        return edges
+
     @model_validator(mode="after")
     def _check(self) -> CacheConfig:
-        if sorted(set(self.bucket_edges)) != self.bucket_edges or any(e <= 0 for e in self.bucket_edges):
-            raise ValueError("bucket_edges must be strictly increasing positive token lengths")
         if self.shard_tokens % self.chunk_tokens:
             raise ValueError("shard_tokens must be a multiple of chunk_tokens")
         return self
@@ -180,9 +186,11 @@ class LoaderConfig(Section):
     pack_row_tokens: int | None = Field(None, gt=0)  # packed row length; None: tokens_per_batch
     sort_window: int = Field(64, gt=0)  # batches' worth of tokens sorted by length together
     on_corrupt: Literal["error", "skip"] = "error"
-    live: bool = False  # follow a cache still being extracted
-    live_poll_s: float = Field(5.0, gt=0)
-    live_timeout_s: float | None = Field(None, gt=0)  # stop waiting for new parts after this long idle
+    # follow a cache still being extracted (needs train.max_steps: the run's length cannot be planned from it)
+    live: bool = False
+    live_poll_s: float = Field(5.0, gt=0)  # how often live mode looks for the cache and newly committed parts
+    # live mode: give up waiting for the cache to appear, or end an epoch, after this long without a new part
+    live_timeout_s: float | None = Field(None, gt=0)
     holdout_fraction: float = Field(0.02, ge=0, lt=1)  # samples (by id hash) kept for evaluation
     pin_memory: bool = True  # page-locked host batches when a CUDA device is used
 
@@ -194,6 +202,12 @@ class CheckpointConfig(Section):
     resume: bool = True  # continue from the latest valid checkpoint in the run dir
     # resume even if the cache fingerprint differs from the one the checkpoint was trained on
     ignore_fingerprint_mismatch: bool = False
+    # resume although the config differs from the checkpoint's in a field that changes the result (lr, schedule,
+    # optimizer, model ...): the new values apply from the resumed step on, and the change is logged
+    allow_config_change: bool = False
+    # when the run dir holds checkpoints but none is valid, move them and the metrics to RUN/discarded-<time>/
+    # and start from step 0 (otherwise the run stops and says what it found)
+    discard_invalid: bool = False
 
 
 class GuardsConfig(Section):
@@ -214,9 +228,15 @@ class EvalConfig(Section):
 
 
 class MetricsConfig(Section):
-    tensorboard: bool = True
-    smoothing_window: int = Field(50, gt=0)
+    tensorboard: bool = True  # write TensorBoard event files (metrics.jsonl is always written)
+    smoothing_window: int = Field(50, gt=0)  # steps covered by the *_smooth scalars
     progress_bar: bool = True
+    # also log every scalar to Weights & Biases (pip install 'dflash-pipeline[wandb]'; WANDB_MODE=offline works
+    # without a network); the run id is kept in RUN/wandb_run_id so a resume continues the same W&B run
+    wandb: bool = False
+    wandb_project: str = "dflash"  # W&B project
+    wandb_entity: str | None = None  # W&B team or user; None: the account's default entity
+    wandb_run_name: str | None = None  # W&B display name; None: the run dir's name
 
 
 class PipelineConfig(Section):
@@ -232,3 +252,32 @@ class PipelineConfig(Section):
     guards: GuardsConfig = Field(default_factory=GuardsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> PipelineConfig:
+        """Checks across sections, each reported at the field to change."""
+        max_len = self.data.max_length
+        errors = []
+        over = [e for e in self.cache.bucket_edges if e >= max_len]
+        if over:
+            errors.append(_field_error(
+                ("cache", "bucket_edges"), self.cache.bucket_edges,
+                f"edges {over} are not below data.max_length ({max_len}): samples are truncated to max_length, so "
+                "those buckets would stay empty; use edges below data.max_length (or raise it)"))
+        if self.extract.tokens_per_batch < max_len:
+            errors.append(_field_error(
+                ("extract", "tokens_per_batch"), self.extract.tokens_per_batch,
+                f"is below data.max_length ({max_len}): a sample of max_length tokens would not fit in a batch; "
+                "set it to at least data.max_length"))
+        if self.loader.live and self.train.max_steps is None:
+            errors.append(_field_error(
+                ("train", "max_steps"), None,
+                "is required when loader.live = true: the cache is still being extracted, so the number of steps "
+                "(and the lr schedule) cannot be planned from it; set --set train.max_steps=N"))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
+
+def _field_error(loc: tuple[str, ...], value: object, message: str) -> InitErrorDetails:
+    return InitErrorDetails(type=PydanticCustomError("cross_check", message), loc=loc, input=value)

@@ -21,6 +21,8 @@ SWITCHES: dict[str, str] = {
                         "`crc32c` package (the `fast` extra) is installed. Both compute the same values.",
     "DFLASH_TEST_CKPT_WRITE_DELAY_S": "Test hook: seconds the checkpoint writer sleeps after each file, to "
                                       "widen the window in which a kill lands mid-save. Never set in production.",
+    "DFLASH_TEST_EVAL_DELAY_S": "Test hook: seconds each periodic held-out evaluation of `dflash-train` sleeps "
+                                "(counted in `eval/seconds`), so a kill can be aimed at it. Never set in production.",
     "DFLASH_TEST_FAULTS": "Test and drill hook: a JSON object `{\"nan_steps\": [...], \"spike_steps\": [...], "
                           "\"spike_scale\": 1e6}`; the loss of the listed training steps becomes NaN or is "
                           "multiplied before backward, on the real code path (exercises the guards). "

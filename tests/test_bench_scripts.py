@@ -1,0 +1,61 @@
+"""The benchmark scripts run against the current API at tiny shapes (so that they never rot between the runs
+that produce their figures), and their built-in agreement checks hold."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(monkeypatch, name: str, *argv: str):
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    return _bench(name).main()
+
+
+def test_bench_loss_heads_and_steps_agree(monkeypatch, tmp_path):
+    out = tmp_path / "loss.json"
+    _run(monkeypatch, "bench_loss", "--rows", "512", "--hidden", "32", "--vocab", "2000", "--chunks", "64",
+         "--dtypes", "float32", "--repeats", "1", "--layers", "1", "--docs", "2", "--doc-len", "64",
+         "--anchors", "8", "--step-chunk", "64", "--out", str(out))
+    r = json.loads(out.read_text())
+    head = r["head_float32"]
+    assert head["agreement"]["chunked_64"]["loss_rel_diff"] <= 1e-6
+    assert head["agreement"]["chunked_64"]["grad_max_abs_diff_over_max"] <= 1e-5
+    assert head["agreement"]["chunked_64"]["pred_mismatch_fraction"] == 0.0
+    # 8 chunks of rows: the unchunked head holds ~3 copies of all the logits, the chunked one an eighth of one
+    assert head["peak_bytes"]["unchunked"] >= 2 * head["one_copy_of_all_logits_bytes"]
+    assert head["memory_ratio_unchunked_over_chunked"]["chunked_64"] >= 8
+    step = r["step"]
+    assert step["agreement"]["metrics_equal"] and step["agreement"]["loss_rel_diff"] <= 1e-6
+    assert step["agreement"]["grad_max_abs_diff_over_max"] <= 1e-5
+    assert step["shape"]["blocks"] == 2 * 8 and len(step["cpu_s"]["unchunked"]) == 4
+
+
+def test_bench_drafter_runs_the_27b_code_path_on_cpu(monkeypatch, tmp_path):
+    out = tmp_path / "drafter.json"
+    _run(monkeypatch, "bench_drafter", "--gpu-path-on-cpu", "--steps", "1", "--out", str(out))
+    r = json.loads(out.read_text())["cpu_27b_path_check"]
+    assert r["layer_types"].count("sliding_attention") == 4 and r["activation_checkpointing"] is True
+    assert r["blocks"] == 64 and r["block_rows_per_step"] == 64 * 16
+    assert abs(r["loss"] - math.log(r["vocab"])) < 1.0  # random drafter: about uniform over the vocabulary
+    assert 0 < r["mask_fraction"]["median"] < 1
+
+
+def test_bench_specforge_without_specforge_says_skipped_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "specforge", None)  # import specforge -> ImportError
+    out = tmp_path / "sf.json"
+    assert _run(monkeypatch, "bench_specforge", "--out", str(out)) == 0
+    assert "skipped: specforge is not importable" in capsys.readouterr().out
+    assert not out.exists()

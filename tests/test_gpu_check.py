@@ -1,0 +1,39 @@
+"""bench/gpu_check.py runs on the CPU at tiny shapes (--dry) through the same code as on a GPU, so that
+whoever gets a GPU for a few minutes finds a script that works."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_reports_every_section(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    sections = res["sections"]
+    assert set(sections) == {"flex_vs_sdpa", "train_8b", "train_27b", "loader_27b", "h2d", "extract_8b"}
+    assert all(s["status"] == "ok" for s in sections.values()), sections
+    assert sections["flex_vs_sdpa"]["layers"] == ["sliding_attention"] * 4 + ["full_attention"]
+    for name in ("train_8b", "train_27b"):
+        t = sections[name]
+        assert t["tokens_per_s"] > 0 and t["estimate_peak_bytes"] > 0 and t["activation_checkpointing"]
+    assert sections["loader_27b"]["steps"] >= 2 and 0 <= sections["loader_27b"]["data_wait_share"] <= 1
+    assert sections["extract_8b"]["samples"] > 0 and sections["extract_8b"]["extract_over_bare"] > 0
+    assert res["env"]["dry"] is True
+
+
+def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry():
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--dry" in proc.stderr
