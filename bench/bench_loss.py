@@ -78,6 +78,13 @@ def unchunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
     return (ce * row_weights.float()).sum(), logits.detach().argmax(-1)
 
 
+def chunked_weighted_ce(hidden: Tensor, weight: Tensor, targets: Tensor, row_weights: Tensor,
+                        chunk: int) -> tuple[Tensor, Tensor]:
+    """The chunked head as the loss uses it: ``(sum of row_weights * CE [], argmax [N])``."""
+    ce, pred = chunked_cross_entropy(hidden, weight, targets, chunk)  # [N] fp32, [N]
+    return (ce * row_weights.float()).sum(), pred
+
+
 def unchunked_dflash_loss(model: DFlashDrafter, batch: Any, *, num_anchors: int, gamma: float | None = None) -> LossOutput:
     """``train.objective.dflash_loss`` with the unchunked head: same anchors, blocks, weights and metrics."""
     B = model.config.block_size
@@ -167,8 +174,8 @@ def head_variants(x: SimpleNamespace, chunks: list[int]) -> dict[str, Callable[[
 
     variants = {"unchunked": run(lambda: unchunked_cross_entropy(x.hidden, x.weight, x.targets, x.row_weights))}
     for c in chunks:
-        variants[f"chunked_{c}"] = run(lambda c=c: chunked_cross_entropy(x.hidden, x.weight, x.targets,
-                                                                         x.row_weights, c))
+        variants[f"chunked_{c}"] = run(lambda c=c: chunked_weighted_ce(x.hidden, x.weight, x.targets,
+                                                                       x.row_weights, c))
     return variants
 
 
@@ -177,7 +184,7 @@ def head_agreement(x: SimpleNamespace, chunk: int) -> dict[str, float]:
     the largest entry), and the share of rows with a different prediction."""
     out = []
     for head in (lambda: unchunked_cross_entropy(x.hidden, x.weight, x.targets, x.row_weights),
-                 lambda: chunked_cross_entropy(x.hidden, x.weight, x.targets, x.row_weights, chunk)):
+                 lambda: chunked_weighted_ce(x.hidden, x.weight, x.targets, x.row_weights, chunk)):
         x.hidden.grad = None
         loss, pred = head()
         loss.backward()

@@ -61,7 +61,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_loss import unchunked_dflash_loss  # noqa: E402
 
 from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
-from train.objective import FlatBatch, default_gamma, dflash_loss, forward_blocks, sample_anchors  # noqa: E402
+from train.objective import (  # noqa: E402
+    ExpDecayWeighting,
+    FlatBatch,
+    default_gamma,
+    dflash_loss,
+    forward_blocks,
+    sample_anchors,
+)
 
 GOAL_TIME_RATIO = 1.0  # ours / SpecForge's, at most
 
@@ -156,7 +163,8 @@ def summary(values: list[float]) -> dict[str, float]:
 def compare(args: argparse.Namespace, ours: DFlashDrafter, theirs_model: nn.Module, theirs: nn.Module,
             batch: SimpleNamespace, features: Tensor, loss_mask: Tensor, gamma: float) -> dict[str, Any]:
     ours.zero_grad(set_to_none=True)
-    out = dflash_loss(ours, batch, num_anchors=args.anchors, gamma=gamma, chunk_rows=args.chunk_rows)
+    out = dflash_loss(ours, batch, num_anchors=args.anchors, weighting=ExpDecayWeighting(gamma),
+                        chunk_rows=args.chunk_rows)
     out.loss.backward()
     theirs_model.zero_grad(set_to_none=True)
     t_loss, t_acc, _ = theirs(batch.input_ids, features, loss_mask)
@@ -243,7 +251,8 @@ def main() -> int:
 
     def ours_step() -> None:
         ours.zero_grad(set_to_none=True)
-        dflash_loss(ours, batch, num_anchors=args.anchors, gamma=gamma, chunk_rows=args.chunk_rows).loss.backward()
+        dflash_loss(ours, batch, num_anchors=args.anchors, weighting=ExpDecayWeighting(gamma),
+                        chunk_rows=args.chunk_rows).loss.backward()
 
     def ours_unchunked_step() -> None:
         ours.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ from dflash_cache import open_cache
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.synthetic import make_synthetic_cache
-from train.build import autocast_context, batch_stream, build_loader, build_model
+from train.build import autocast_context, batch_stream, build_loader, build_model, build_position_weighting
 from train.loop import train
 from train.metrics import read_metrics
 from train.objective import dflash_loss
@@ -46,12 +46,13 @@ def bare_step_times(cfg, cache, batches: list) -> tuple[list[float], list[float]
     model = build_model(cfg.model, cache, d.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=cfg.train.betas)
+    weighting = build_position_weighting(cfg.train, model.config.block_size)
     times, cpu = [], []
     for batch in batches:
         t0, c0 = time.perf_counter(), time.thread_time()
         batch = batch.to(d.device)
         with autocast_context(cfg.train, d.device):
-            out = dflash_loss(model, batch, num_anchors=cfg.train.num_anchors, gamma=cfg.train.loss_gamma)
+            out = dflash_loss(model, batch, num_anchors=cfg.train.num_anchors, weighting=weighting)
             out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         opt.step()

@@ -45,7 +45,7 @@ from dflash_cache.runtime.config import load_config  # noqa: E402
 from dflash_cache.runtime.dist import Distributed  # noqa: E402
 from dflash_cache.runtime.schema import GuardsConfig  # noqa: E402
 from train.batch import Batch  # noqa: E402
-from train.build import LossModule, build_optimizer, build_scheduler  # noqa: E402
+from train.build import LossModule, build_optimizer, build_position_weighting, build_scheduler  # noqa: E402
 from train.estimate import DrafterShape, Precision, StepShape, flops_per_step, memory_estimate  # noqa: E402
 from train.guards import SpikeGuard  # noqa: E402
 from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
@@ -203,7 +203,7 @@ def train_steps(check: Check, preset: str) -> dict[str, Any]:
     opt = build_optimizer(tcfg, model)
     sched = build_scheduler(tcfg, opt, total_steps=100)
     guard = SpikeGuard(GuardsConfig(window=16, min_history=4, max_consecutive_skips=100))
-    lm = LossModule(model, anchors, tcfg.loss_gamma, tcfg.logits_chunk_rows)
+    lm = LossModule(model, anchors, build_position_weighting(tcfg, dcfg.block_size), tcfg.logits_chunk_rows)
     d = Distributed(device=check.device)
     warmup, steps = (1, 2) if check.dry else (2, 4)
     t_first = time.perf_counter()

@@ -61,6 +61,19 @@ def test_override_is_typed(tmp_path):
     assert cfg.teacher.path == "some/dir"
 
 
+def test_recipe_options_are_validated():
+    tiny = Path(__file__).parent.parent / "configs" / "tiny.toml"
+    cfg = load_config(tiny, ["train.loss_weighting=dpace", "train.optimizer=muon", "train.muon_lr=1e-3"])
+    assert (cfg.train.loss_weighting, cfg.train.optimizer, cfg.train.muon_lr) == ("dpace", "muon", 1e-3)
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny, ["train.loss_weighting=dpace", "train.loss_gamma=5", "train.dpace_alpha=0",
+                           "train.optimizer=sgd"])
+    text = str(err.value)
+    assert "train.dpace_alpha" in text and "train.optimizer" in text
+    with pytest.raises(ConfigError, match="loss_gamma sets the exp_decay weights"):
+        load_config(tiny, ["train.loss_weighting=dpace", "train.loss_gamma=5"])
+
+
 def test_missing_config_file_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")

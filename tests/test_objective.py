@@ -13,12 +13,15 @@ from train.attention import BlockLayout
 from train.memory import peak_memory_bytes
 from train.objective import (
     Blocks,
+    DPaceWeighting,
+    ExpDecayWeighting,
     FlatBatch,
     block_metrics,
     build_blocks,
     chunked_cross_entropy,
     default_gamma,
     dflash_loss,
+    dpace_weights,
     eligible_anchors,
     forward_blocks,
     loss_weights,
@@ -163,7 +166,7 @@ def _unchunked(model, batch, num_anchors: int, gamma: float):
 def test_loss_is_the_weighted_mean_of_per_row_cross_entropy():
     model = tiny_drafter(seed=3)
     batch = tiny_batch(rows=2, length=40, docs_per_row=2, seed=1)
-    out = dflash_loss(model, batch, num_anchors=6, gamma=3.0)
+    out = dflash_loss(model, batch, num_anchors=6, weighting=ExpDecayWeighting(3.0))
     with torch.no_grad():
         _, _, anchors, blocks = _unchunked(model, batch, 6, 3.0)
         hidden, _ = forward_blocks(model, batch, _flat(batch), anchors)
@@ -183,13 +186,84 @@ def test_chunked_loss_equals_the_unchunked_loss_gradients_and_metrics(chunk):
     ref_model, model = tiny_drafter(seed=9).train(), tiny_drafter(seed=9).train()
     ref_loss, ref_metrics, _, _ = _unchunked(ref_model, batch, 8, 7.0)
     ref_loss.backward()
-    out = dflash_loss(model, batch, num_anchors=8, gamma=7.0, chunk_rows=chunk)
+    out = dflash_loss(model, batch, num_anchors=8, weighting=ExpDecayWeighting(7.0), chunk_rows=chunk)
     out.loss.backward()
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
     for key in ("n_blocks", "accepted_sum", "position_correct", "position_count"):
         assert torch.equal(out.metrics[key], ref_metrics[key]), key
+
+
+def _dpace_direct(confidence: list[list[float]], valid: list[list[bool]], alpha: float) -> list[list[float]]:
+    """D-PACE weights written out from the formula, one block and one row at a time."""
+    out = []
+    for q, ok in zip(confidence, valid, strict=True):
+        smooth = [(1 - alpha) * qi + alpha if oi else 1.0 for qi, oi in zip(q, ok, strict=True)]
+        prefix = [math.prod(smooth[: m + 1]) for m in range(len(q))]
+        out.append([sum(prefix[m] for m in range(j, len(q)) if ok[m]) if ok[j] else 0.0 for j in range(len(q))])
+    return out
+
+
+def test_dpace_weights_by_hand_and_against_the_formula():
+    # one block, rows 1..3 counted with confidence 0.9, 0.5, 0.2, alpha 0.5: smoothed 0.95, 0.75, 0.6;
+    # prefix products 0.95, 0.7125, 0.4275; each row's weight sums the prefixes from it to the block's end
+    w = dpace_weights(torch.tensor([[0.3, 0.9, 0.5, 0.2]]), torch.tensor([[False, True, True, True]]), 0.5)
+    assert w[0].tolist() == pytest.approx([0.0, 0.95 + 0.7125 + 0.4275, 0.7125 + 0.4275, 0.4275])
+    # an uncounted row mid-block is transparent (factor 1, no term of its own) and weighs 0; alpha = 1: every
+    # counted row's weight is the number of counted rows from it on, whatever the confidence
+    g = torch.Generator().manual_seed(0)
+    conf = torch.rand(5, 8, generator=g)
+    valid = torch.rand(5, 8, generator=g) > 0.3
+    valid[:, 0] = False
+    for alpha in (0.5, 1.0, 0.1):
+        direct = torch.tensor(_dpace_direct(conf.tolist(), valid.tolist(), alpha))
+        torch.testing.assert_close(dpace_weights(conf, valid, alpha), direct, rtol=1e-6, atol=0)
+    counted_from_here = valid.flip(-1).cumsum(-1).flip(-1) * valid
+    assert torch.equal(dpace_weights(conf, valid, 1.0), counted_from_here.float())
+
+
+def _dpace_reference(model, batch, num_anchors: int, alpha: float):
+    """The D-PACE loss with every counted row's full-vocabulary logits at once, weights from the formula."""
+    flat = _flat(batch)
+    anchors = sample_anchors(flat.eligible, flat.docs, num_anchors, torch.Generator().manual_seed(batch.seed))
+    hidden, blocks = forward_blocks(model, batch, flat, anchors)
+    ce = F.cross_entropy(model.logits(hidden).flatten(0, 1).float(), blocks.targets.flatten(),
+                         reduction="none").view_as(blocks.targets)  # [A, B]
+    q = torch.exp(-ce.detach())
+    w = torch.tensor(_dpace_direct(q.tolist(), blocks.row_valid.tolist(), alpha))  # detached: no gradient
+    return (ce * w).sum() / anchors.numel(), w
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 10_000])
+def test_dpace_loss_and_gradients_match_a_direct_computation_whatever_the_chunk(chunk):
+    batch = tiny_batch(rows=2, length=48, docs_per_row=2, seed=6)
+    batch.loss_mask[:, 14] = False  # some blocks hold an uncounted row mid-block
+    ref_model, model = tiny_drafter(seed=9).train(), tiny_drafter(seed=9).train()
+    ref_loss, ref_w = _dpace_reference(ref_model, batch, 8, 0.3)
+    ref_loss.backward()
+    out = dflash_loss(model, batch, num_anchors=8, weighting=DPaceWeighting(0.3), chunk_rows=chunk)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert out.metrics["weight_sum"].item() == pytest.approx(ref_w.sum().item(), rel=1e-6)
+    assert ref_w[:, 1].unique().numel() == ref_w.shape[0]  # row 1's weight differs per block: it follows confidence
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_dpace_weights_follow_the_drafter_not_the_batch_around_a_block():
+    # a block's weights depend on its own rows only: scoring a document alone or next to another gives the
+    # same per-block weight sum for it
+    model = tiny_drafter(seed=3)
+    both = tiny_batch(rows=2, length=40, seed=2)
+    alone = tiny_batch(rows=1, length=40, seed=2)
+    for name in ("features", "input_ids", "loss_mask", "doc_ids", "position_ids"):
+        getattr(alone, name)[0] = getattr(both, name)[0]
+    a = dflash_loss(model, alone, num_anchors=40, weighting=DPaceWeighting(0.5))  # every eligible anchor
+    _, w_both = _dpace_reference(model, both, 40, 0.5)
+    n_alone = a.metrics["n_blocks"].item()
+    assert 0 < n_alone < w_both.shape[0]
+    assert a.metrics["weight_sum"].item() == pytest.approx(w_both[:n_alone].sum().item(), rel=1e-6)
 
 
 def test_chunked_cross_entropy_never_holds_more_than_a_chunk_of_logits():
@@ -199,8 +273,8 @@ def test_chunked_cross_entropy_never_holds_more_than_a_chunk_of_logits():
     weight, targets, w = torch.randn(4096, 32), torch.randint(0, 4096, (512,)), torch.rand(512)
 
     def run(chunk: int):
-        loss, _ = chunked_cross_entropy(hidden, weight, targets, w, chunk)
-        loss.backward()
+        ce, _ = chunked_cross_entropy(hidden, weight, targets, chunk)
+        (ce * w).sum().backward()
 
     small, _ = peak_memory_bytes(lambda: run(16))
     whole, _ = peak_memory_bytes(lambda: run(512))

@@ -1,8 +1,9 @@
 """``dflash-train`` through the real command on a small synthetic cache (CPU).
 
-Covers: exact artifacts, resume exactness after SIGKILL (bitwise per-step losses), SIGKILL at
-random moments during saves, injected NaN / spike (bitwise unchanged state), too many skips
-(distinct exit code), SIGTERM, cache fingerprint mismatch, TensorBoard continuity, 2-process DDP.
+Covers: exact artifacts, resume exactness after SIGKILL (bitwise per-step losses; also with Muon + D-PACE),
+SIGKILL at random moments during saves, injected NaN / spike (bitwise unchanged state, AdamW moments and
+Muon momentum), too many skips (distinct exit code), SIGTERM, cache fingerprint mismatch, a resume under
+another optimizer refused, TensorBoard continuity, 2-process DDP.
 """
 
 from __future__ import annotations
@@ -110,6 +111,44 @@ def test_full_run_artifacts_then_sigkill_resume_is_bitwise_exact(cache, tmp_path
     assert sorted(_tb_steps(run)) == list(range(1, 17))
 
 
+@pytest.mark.parametrize("optimizer,weighting", [("muon", "dpace"), ("adamw", "exp_decay")])
+def test_each_recipe_resumes_bitwise_after_sigkill(cache, tmp_path, optimizer, weighting):
+    recipe = (f"train.optimizer={optimizer}", "train.muon_lr=2e-3", f"train.loss_weighting={weighting}",
+              "train.max_steps=8", "checkpoint.every_steps=4")
+    straight = tmp_path / "straight"
+    _run(cache, straight, *recipe)
+    ref = _losses(straight)
+    latest = read_checkpoint(find_latest(straight))
+    opt_state = latest.state["optimizer"]
+    if optimizer == "muon":  # both parts' state in the checkpoint
+        assert sorted(opt_state) == ["adamw", "muon"]
+        matrices = [k for k, v in latest.model.items() if v.ndim == 2]
+        assert len(opt_state["muon"]["state"]) == len(matrices) > 0
+        assert all(set(s) == {"momentum_buffer"} for s in opt_state["muon"]["state"].values())
+        assert latest.state["scheduler"]["base_lrs"] == [2e-3, 3e-3]  # Muon's peak lr, AdamW's (tiny.toml)
+        opt_state = opt_state["adamw"]
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in opt_state["state"].values())
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(cache, run, *recipe), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (run / "checkpoints" / "step-00000004" / "manifest.json").exists(), proc)
+    proc.kill()
+    proc.wait()
+    assert max(_losses(run)) < 8, "the run finished before it could be killed"
+    _run(cache, run, *recipe)
+    assert _losses(run) == ref  # bitwise: optimizer state (Muon momentum, AdamW moments) and schedule restored
+    # continuing under the other optimizer choice is refused, as a config change and, when config changes are
+    # allowed, because the optimizer state cannot carry over
+    other = "adamw" if optimizer == "muon" else "muon"
+    proc = _run(cache, run, *recipe, f"train.optimizer={other}", "train.max_steps=10", expect=2)
+    assert f'train.optimizer: "{optimizer}" -> "{other}"' in proc.stderr
+    proc = _run(cache, run, *recipe, f"train.optimizer={other}", "train.max_steps=10",
+                "checkpoint.allow_config_change=true", expect=2)
+    assert "holds the state of optimizer(s) " + ("muon+adamw" if optimizer == "muon" else "adamw") in proc.stderr
+    assert "cannot be carried to another train.optimizer" in proc.stderr
+
+
 def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(cache, tmp_path):
     run = tmp_path / "run"
     rng = random.Random(0)
@@ -135,10 +174,12 @@ def test_sigkill_during_save_always_leaves_a_loadable_checkpoint(cache, tmp_path
     assert kills_mid_save >= 4  # most kills land mid-save; the others between saves
 
 
-def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path, optimizer):
     run = tmp_path / "run"
     _run(cache, run, "train.max_steps=10", "checkpoint.every_steps=1", "checkpoint.keep_last=20",
-         "guards.min_history=4", DFLASH_TEST_FAULTS='{"nan_steps": [5], "spike_steps": [9]}')
+         "guards.min_history=4", f"train.optimizer={optimizer}",
+         DFLASH_TEST_FAULTS='{"nan_steps": [5], "spike_steps": [9]}')
     recs = {r["step"]: r for r in read_metrics(run)}
     assert sorted(recs) == list(range(1, 11))
     assert recs[5]["train/skipped"] == 1 and recs[5]["train/skip_reason"] == "nonfinite_loss"
@@ -152,10 +193,16 @@ def test_injected_nan_and_spike_are_skipped_bitwise(cache, tmp_path):
         before, after = read_checkpoint(ckpts[bad - 1]), read_checkpoint(ckpts[bad])
         for k in before.model:
             assert torch.equal(before.model[k], after.model[k]), k
-        sa, sb = before.state["optimizer"]["state"], after.state["optimizer"]["state"]
-        for i in sa:
-            for name in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(sa[i][name], sb[i][name]), (i, name)
+        # AdamW's moments (every parameter, or the norms beside Muon) and Muon's momentum (the matrices)
+        sa, sb = before.state["optimizer"], after.state["optimizer"]
+        parts = [("muon", ("momentum_buffer",)), ("adamw", ("exp_avg", "exp_avg_sq", "step"))]
+        if optimizer == "adamw":
+            sa, sb, parts = {"adamw": sa}, {"adamw": sb}, parts[1:]
+        for part, names in parts:
+            assert sa[part]["state"]
+            for i in sa[part]["state"]:
+                for name in names:
+                    assert torch.equal(sa[part]["state"][i][name], sb[part]["state"][i][name]), (part, i, name)
         assert before.state["scheduler"] == after.state["scheduler"]
         assert after.state["guard"]["grad_norms"] == before.state["guard"]["grad_norms"]
     # the step after a skip does change the weights

@@ -1,7 +1,9 @@
-"""train_step on a tiny drafter and hand-made batches: guards leave state bitwise unchanged, schedule."""
+"""train_step on a tiny drafter and hand-made batches: guards leave state bitwise unchanged, schedule,
+for both optimizer choices (AdamW; Muon for the matrices + AdamW for the rest)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,8 +13,10 @@ from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
 from train.build import LossModule, build_loss_module, build_optimizer, build_scheduler, lr_lambda
+from train.estimate import DrafterShape, optimizer_state_bytes
 from train.guards import SpikeGuard
 from train.model import DFlashConfig, DFlashDrafter
+from train.optim import CombinedOptimizer
 from train.step import FaultPlan, train_step
 
 H, V, NL = 32, 64, 2
@@ -45,7 +49,7 @@ def _setup(**train_kw):
     opt = build_optimizer(tcfg, model)
     sched = build_scheduler(tcfg, opt, total_steps=8)
     guard = SpikeGuard(GuardsConfig(window=16, min_history=4))
-    return model, tcfg, opt, sched, guard, LossModule(model, tcfg.num_anchors, None)
+    return model, tcfg, opt, sched, guard, LossModule(model, tcfg.num_anchors)
 
 
 def _snapshot(model, opt):
@@ -77,14 +81,18 @@ def test_normal_steps_update_and_follow_schedule():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 @pytest.mark.parametrize("kind", ["nan", "spike"])
-def test_injected_fault_is_skipped_bitwise(kind):
-    model, tcfg, opt, sched, guard, lm = _setup()
+def test_injected_fault_is_skipped_bitwise(kind, optimizer):
+    model, tcfg, opt, sched, guard, lm = _setup(optimizer=optimizer, muon_lr=2e-3)
     faults = FaultPlan(nan_steps=frozenset({6} if kind == "nan" else ()),
                        spike_steps=frozenset({6} if kind == "spike" else ()))
     for step in range(1, 6):
         assert not train_step(step, [_batch(step)], lm, opt, sched, guard, tcfg, Distributed(), faults).verdict.skip
     before = _snapshot(model, opt)
+    moments = {name for s in before[1].values() for name in s}
+    assert moments == ({"step", "exp_avg", "exp_avg_sq", "momentum_buffer"} if optimizer == "muon"
+                       else {"step", "exp_avg", "exp_avg_sq"})
     sched_before = sched.state_dict()
     window_before = guard.state_dict()
     res = train_step(6, [_batch(6)], lm, opt, sched, guard, tcfg, Distributed(), faults)
@@ -102,10 +110,62 @@ def test_grad_accum_equals_mean_of_micro_batches():
     model, tcfg, opt, sched, guard, lm = _setup(grad_accum=2)
     res = train_step(1, [_batch(1), _batch(2)], lm, opt, sched, guard, tcfg, Distributed())
     ref = _drafter()
-    lref = LossModule(ref, 4, None)
+    lref = LossModule(ref, 4)
     losses = [lref(_batch(i))[0].item() for i in (1, 2)]
     assert res.loss == pytest.approx(sum(losses) / 2, rel=1e-6)
     assert set(res.metrics["bucket_loss"]) == {0, 1}
+
+
+def test_muon_takes_the_weight_matrices_and_the_schedule_drives_both_parts():
+    model, tcfg, opt, sched, guard, lm = _setup(optimizer="muon", muon_lr=2e-3, lr=5e-4)
+    assert isinstance(opt, CombinedOptimizer) and list(opt.parts) == ["muon", "adamw"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = sorted(names[id(p)] for g in opt.parts["muon"].param_groups for p in g["params"])
+    adamw = sorted(names[id(p)] for g in opt.parts["adamw"].param_groups for p in g["params"])
+    assert muon == sorted(n for n, p in model.named_parameters() if p.ndim == 2)
+    assert {n.rsplit(".", 2)[-2] for n in muon} == {"fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                   "up_proj", "down_proj"}
+    assert adamw == sorted(n for n, p in model.named_parameters() if p.ndim == 1)  # the norm weights
+    warmup = math.ceil(0.25 * 8)
+    for step in range(1, 4):
+        res = train_step(step, [_batch(step)], lm, opt, sched, guard, tcfg, Distributed())
+        assert not res.verdict.skip
+        scale = lr_lambda(step, 8, warmup, 0.0)  # the multiplier for the next update
+        assert opt.parts["muon"].param_groups[0]["lr"] == pytest.approx(2e-3 * scale)
+        assert opt.parts["adamw"].param_groups[0]["lr"] == pytest.approx(5e-4 * scale)
+        assert res.lr == pytest.approx(2e-3 * lr_lambda(step - 1, 8, warmup, 0.0))  # the logged lr: Muon's
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_is_what_the_memory_estimate_counts(optimizer):
+    # Muon: one fp32 momentum buffer per matrix element, AdamW two moments (the per-tensor step counts aside)
+    model, tcfg, opt, sched, guard, lm = _setup(optimizer=optimizer)
+    train_step(1, [_batch(1)], lm, opt, sched, guard, tcfg, Distributed())
+    held = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    shape = DrafterShape(hidden=H, vocab=V, n_features=NL, layers=1, heads=2, kv_heads=1, head_dim=16,
+                         intermediate=64, block_size=4)
+    assert held == optimizer_state_bytes(shape, optimizer)
+    assert sum(p.numel() for p in model.parameters()) == sum(shape.param_counts())
+
+
+def test_muon_state_round_trips_bitwise():
+    model, tcfg, opt, sched, guard, lm = _setup(optimizer="muon", muon_lr=2e-3)
+    for step in range(1, 3):
+        train_step(step, [_batch(step)], lm, opt, sched, guard, tcfg, Distributed())
+    twin, _, opt2, sched2, guard2, lm2 = _setup(optimizer="muon", muon_lr=2e-3)
+    twin.load_state_dict(model.state_dict())
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a checkpoint: no tensor shared
+    sched2.load_state_dict(sched.state_dict())
+    guard2.load_state_dict(guard.state_dict())
+    for step in range(3, 5):
+        a = train_step(step, [_batch(step)], lm, opt, sched, guard, tcfg, Distributed())
+        b = train_step(step, [_batch(step)], lm2, opt2, sched2, guard2, tcfg, Distributed())
+        assert a.loss == b.loss and a.lr == b.lr and a.grad_norm == b.grad_norm
+    assert opt2.param_groups[1] is opt2.parts["adamw"].param_groups[0]  # the scheduler still drives the parts
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    with pytest.raises(ValueError, match="parts"):
+        opt2.load_state_dict({"adamw": opt.parts["adamw"].state_dict()})
 
 
 def test_the_trainers_loss_module_uses_train_logits_chunk_rows(monkeypatch):
@@ -115,9 +175,9 @@ def test_the_trainers_loss_module_uses_train_logits_chunk_rows(monkeypatch):
     seen: list[int] = []
     real = objective.chunked_cross_entropy
 
-    def spy(hidden, weight, targets, row_weights, chunk):
+    def spy(hidden, weight, targets, chunk):
         seen.append(chunk)
-        return real(hidden, weight, targets, row_weights, chunk)
+        return real(hidden, weight, targets, chunk)
 
     monkeypatch.setattr(objective, "chunked_cross_entropy", spy)
     model = _drafter()

@@ -20,7 +20,15 @@ from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import LoaderConfig, ModelConfig, TrainConfig
 
 from .batch import Batch
-from .objective import DEFAULT_CHUNK_ROWS
+from .objective import (
+    DEFAULT_CHUNK_ROWS,
+    DPaceWeighting,
+    ExpDecayWeighting,
+    PositionWeighting,
+    default_gamma,
+    dflash_loss,
+)
+from .optim import CombinedOptimizer, is_muon_matrix
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +54,22 @@ def drafter_metadata(model: nn.Module) -> dict[str, str]:
 
 
 def build_optimizer(train_cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """``train.optimizer``: AdamW over every trainable parameter, or Muon for the 2-D weight matrices and
+    AdamW for the rest, as one :class:`~train.optim.CombinedOptimizer` (Muon's group first)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay)
+    adamw_kw = dict(lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay)
+    if train_cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, **adamw_kw)
+    matrices = [p for p in params if is_muon_matrix(p)]
+    others = [p for p in params if not is_muon_matrix(p)]
+    parts: dict[str, torch.optim.Optimizer] = {
+        "muon": torch.optim.Muon(matrices, lr=train_cfg.muon_lr, weight_decay=train_cfg.muon_weight_decay,
+                                 momentum=train_cfg.muon_momentum, ns_steps=train_cfg.muon_ns_steps,
+                                 adjust_lr_fn=train_cfg.muon_adjust_lr),
+    }
+    if others:
+        parts["adamw"] = torch.optim.AdamW(others, **adamw_kw)
+    return CombinedOptimizer(parts)
 
 
 def lr_lambda(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -101,27 +123,33 @@ def autocast_context(train_cfg: TrainConfig, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+def build_position_weighting(train_cfg: TrainConfig, block_size: int) -> PositionWeighting:
+    """``train.loss_weighting``: the reference exp-decay (``loss_gamma``, default by block size) or D-PACE."""
+    if train_cfg.loss_weighting == "dpace":
+        return DPaceWeighting(train_cfg.dpace_alpha)
+    return ExpDecayWeighting(train_cfg.loss_gamma or default_gamma(block_size))
+
+
 class LossModule(nn.Module):
     """Wraps the drafter so DDP sees the whole loss computation as its forward."""
 
-    def __init__(self, drafter: nn.Module, num_anchors: int, gamma: float | None,
+    def __init__(self, drafter: nn.Module, num_anchors: int, weighting: PositionWeighting | None = None,
                  chunk_rows: int = DEFAULT_CHUNK_ROWS):
         super().__init__()
         self.drafter = drafter
         self.num_anchors = num_anchors
-        self.gamma = gamma
-        self.chunk_rows = chunk_rows  # train.logits_chunk_rows
+        self.weighting = weighting
+        self.chunk_rows = chunk_rows
 
     def forward(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
-        from .objective import dflash_loss
-
-        out = dflash_loss(self.drafter, batch, num_anchors=self.num_anchors, gamma=self.gamma,
+        out = dflash_loss(self.drafter, batch, num_anchors=self.num_anchors, weighting=self.weighting,
                           chunk_rows=self.chunk_rows)
         return out.loss, out.metrics
 
 
 def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) -> nn.Module:
-    module: nn.Module = LossModule(model, train_cfg.num_anchors, train_cfg.loss_gamma, train_cfg.logits_chunk_rows)
+    weighting = build_position_weighting(train_cfg, model.config.block_size)
+    module: nn.Module = LossModule(model, train_cfg.num_anchors, weighting, train_cfg.logits_chunk_rows)
     if d.enabled:
         ids = [d.device.index] if d.device.type == "cuda" else None
         module = nn.parallel.DistributedDataParallel(module, device_ids=ids)

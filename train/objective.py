@@ -8,10 +8,13 @@ For a batch (rows of one or more packed documents, flattened into one context; s
    so anchors are re-drawn every epoch). This is the DFlash recipe's "512 anchors per sequence", also
    when several documents share a row. Only real blocks are computed: no padding blocks.
 2. **Blocks**: block ``n`` is ``[x_a, MASK x (B-1)]`` at document positions ``p_a .. p_a + B-1``.
-3. **Loss**: CE of block row ``k`` (1..B-1) against token ``a+k`` (same position, no shift), weighted
-   ``exp(-(k-1)/gamma)``; a row counts only if ``a+k`` is in the anchor's document and on the loss mask.
-   Weighted mean over all counted rows of the batch. The full-vocabulary logits exist for at most
-   ``chunk_rows`` rows at a time (:class:`ChunkedCrossEntropy`): memory is bounded whatever the batch.
+3. **Loss**: CE of block row ``k`` (1..B-1) against token ``a+k`` (same position, no shift); a row counts
+   only if ``a+k`` is in the anchor's document and on the loss mask. Each counted row is weighted by a
+   :class:`PositionWeighting` (``train.loss_weighting``): :class:`ExpDecayWeighting`, the reference recipe's
+   ``exp(-(k-1)/gamma)``, as a weighted mean over all counted rows of the batch; or :class:`DPaceWeighting`
+   (D-PACE), weights from the drafter's own detached per-row confidence, summed per block and averaged over
+   the blocks. The full-vocabulary logits exist for at most ``chunk_rows`` rows at a time
+   (:class:`ChunkedCrossEntropy`): memory is bounded whatever the batch and whichever weighting.
 4. **Metrics**: accuracy per block position, and the exact acceptance length per block
    ``1 + (number of leading correct rows)`` (an uncounted row ends the run), averaged over blocks.
 
@@ -159,6 +162,55 @@ def loss_weights(block_size: int, gamma: float, device: torch.device) -> Tensor:
     return w
 
 
+def dpace_weights(confidence: Tensor, row_valid: Tensor, alpha: float) -> Tensor:
+    """D-PACE position weights [A, B] from the drafter's confidence in each row's target, confidence [A, B].
+
+    With the smoothed confidence ``s_i = (1 - alpha) * q_i + alpha`` of each counted row and ``s_i = 1`` for
+    the others (an uncounted row neither breaks nor shortens the product), row ``j`` of a block weighs
+    ``w_j = sum over counted rows m >= j of prod_{i <= m} s_i`` (0 for uncounted rows): the expected number of
+    accepted draft tokens that still depend on row ``j`` being right, if each row were accepted with
+    probability ``s_i``. Each block's weights depend on that block's rows only."""
+    valid = row_valid.to(confidence.dtype)  # [A, B]
+    smooth = torch.where(row_valid, (1.0 - alpha) * confidence + alpha, torch.ones_like(confidence))
+    prefix = smooth.cumprod(dim=-1)  # [A, B]: prod_{i <= m} s_i
+    return (prefix * valid).flip(-1).cumsum(-1).flip(-1) * valid  # suffix sums over counted rows
+
+
+class PositionWeighting(Protocol):
+    """How the counted rows' cross-entropies combine into the loss (``train.loss_weighting``)."""
+
+    def weigh(self, ce: Tensor, rows: Tensor, row_valid: Tensor) -> tuple[Tensor, Tensor]:
+        """``(weights [N], denominator [])`` of the loss ``sum(weights * ce) / denominator``, given the counted
+        rows' detached cross-entropies ce [N] at flat indices ``rows`` [N] of the blocks' row_valid [A, B]."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExpDecayWeighting:
+    """The reference recipe: row k weighs exp(-(k-1)/gamma); the loss is the weighted mean over counted rows."""
+
+    gamma: float
+
+    def weigh(self, ce: Tensor, rows: Tensor, row_valid: Tensor) -> tuple[Tensor, Tensor]:
+        w = loss_weights(row_valid.shape[1], self.gamma, ce.device) * row_valid  # [A, B]
+        return w.reshape(-1)[rows], w.sum()
+
+
+@dataclass(frozen=True)
+class DPaceWeighting:
+    """D-PACE: :func:`dpace_weights` of the drafter's detached confidence ``q = exp(-CE)`` in each target; the
+    loss is the weighted CE summed over each block's rows and averaged over the blocks (not divided by the sum
+    of the weights, which would cancel the credit mass the weights carry)."""
+
+    alpha: float
+
+    def weigh(self, ce: Tensor, rows: Tensor, row_valid: Tensor) -> tuple[Tensor, Tensor]:
+        confidence = torch.ones(row_valid.shape, dtype=torch.float32, device=ce.device)  # [A, B]
+        confidence.view(-1)[rows] = torch.exp(-ce.float())
+        w = dpace_weights(confidence, row_valid, self.alpha)  # [A, B]
+        return w.reshape(-1)[rows], torch.tensor(float(row_valid.shape[0]), device=ce.device)
+
+
 # ----------------------------------------------------------------------------------------------
 # The chunked loss head
 # ----------------------------------------------------------------------------------------------
@@ -170,22 +222,22 @@ def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(hidden_i @ weight^T, target_i), and the greedy prediction of each row, computed
-    ``chunk`` rows at a time: the full-vocabulary logits of all rows never exist at once.
+    """Per-row CE(hidden_i @ weight^T, target_i) and the greedy prediction of each row, computed ``chunk`` rows
+    at a time: the full-vocabulary logits of all rows never exist at once.
 
-    The gradient with respect to ``hidden`` is computed chunk by chunk during the forward (when
-    ``hidden`` requires it) and kept, [N, H], until backward scales it: no second pass over the vocabulary.
-    ``weight`` (the frozen lm_head) gets no gradient. Logits are formed in ``hidden``'s dtype; the
-    softmax, log-sum-exp and sums run in fp32."""
+    The gradient of each row's CE with respect to its hidden row, ``(softmax - onehot) @ weight``, is computed
+    chunk by chunk during the forward (when ``hidden`` requires it) and kept, [N, H], until backward scales
+    row i by dLoss/dCE_i. So the weights the caller puts on the rows may depend on the CE values themselves
+    (D-PACE) and still cost no second pass over the vocabulary. ``weight`` (the frozen lm_head) gets no
+    gradient. Logits are formed in ``hidden``'s dtype; the softmax, log-sum-exp and CE run in fp32."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, row_weights: Tensor,
-                chunk: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
         N = hidden.shape[0]
         w_mat = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)  # [V, H]
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if need_grad else None
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ce = torch.empty(N, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(N, dtype=torch.long, device=hidden.device)
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
@@ -196,29 +248,26 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             z_max = z.amax(-1, keepdim=True)  # [c, 1]
             z.sub_(z_max).exp_()  # in place: exp(z - max)
             sum_exp = z.sum(-1, keepdim=True)  # [c, 1]
-            lse = sum_exp.log().squeeze(1) + z_max.squeeze(1)  # [c]
-            w = row_weights[s:e].float()
-            loss += ((lse - z_tgt) * w).sum()
+            ce[s:e] = sum_exp.log().squeeze(1) + z_max.squeeze(1) - z_tgt  # log-sum-exp - target logit
             if grad is not None:
                 z.div_(sum_exp)  # softmax
                 z.scatter_add_(1, tgt, torch.full_like(z_tgt, -1.0).unsqueeze(1))  # softmax - onehot
-                z.mul_(w.unsqueeze(1))
                 grad[s:e] = z.to(hidden.dtype) @ w_mat  # [c, H]
             del z
         ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
         ctx.mark_non_differentiable(pred)
-        return loss, pred
+        return ce, pred
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor, grad_pred: Tensor | None) -> tuple[Tensor | None, ...]:
-        (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None
+    def backward(ctx: Any, grad_ce: Tensor, grad_pred: Tensor | None) -> tuple[Tensor | None, ...]:
+        (grad,) = ctx.saved_tensors  # [N, H]
+        return grad * grad_ce.unsqueeze(1).to(grad.dtype), None, None, None
 
 
-def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, row_weights: Tensor,
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
                           chunk: int = DEFAULT_CHUNK_ROWS) -> tuple[Tensor, Tensor]:
-    """``(sum of row_weights * CE [], argmax [N])`` over hidden [N, H] through ``weight`` [V, H]."""
-    return ChunkedCrossEntropy.apply(hidden, weight, targets, row_weights, chunk)
+    """``(CE per row [N] fp32, argmax [N])`` of hidden [N, H] through ``weight`` [V, H] against targets [N]."""
+    return ChunkedCrossEntropy.apply(hidden, weight, targets, chunk)
 
 
 @torch.no_grad()
@@ -296,11 +345,13 @@ def predict_blocks(model: Any, batch: BatchLike, flat: FlatBatch, anchors: Tenso
     return pred, blocks
 
 
-def dflash_loss(model: Any, batch: BatchLike, *, num_anchors: int = 512, gamma: float | None = None,
-                generator: torch.Generator | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LossOutput:
-    """The training loss and metrics of one batch. ``generator`` defaults to one seeded with ``batch.seed``."""
+def dflash_loss(model: Any, batch: BatchLike, *, num_anchors: int = 512,
+                weighting: PositionWeighting | None = None, generator: torch.Generator | None = None,
+                chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LossOutput:
+    """The training loss and metrics of one batch. ``weighting`` defaults to the reference recipe's exp-decay
+    with :func:`default_gamma`; ``generator`` to one seeded with ``batch.seed``."""
     B = model.config.block_size
-    gamma = default_gamma(B) if gamma is None else gamma
+    weighting = ExpDecayWeighting(default_gamma(B)) if weighting is None else weighting
     if generator is None:
         generator = torch.Generator().manual_seed(int(batch.seed))
     flat = FlatBatch.of(batch)
@@ -311,16 +362,15 @@ def dflash_loss(model: Any, batch: BatchLike, *, num_anchors: int = 512, gamma: 
     rows = blocks.row_valid.reshape(-1).nonzero().flatten()  # the counted rows only: [N]
     hidden, blocks = run_blocks(model, batch, blocks)  # [A, B, H]
     rows = rows.to(hidden.device)
-    w = loss_weights(B, gamma, hidden.device).expand_as(blocks.row_valid) * blocks.row_valid  # [A, B]
-    loss_sum, pred_rows = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[rows], model.lm_head,
-                                                blocks.targets.reshape(-1)[rows], w.reshape(-1)[rows], chunk_rows)
-    total_w = w.sum()
-    loss = loss_sum / total_w.clamp(min=1e-6)
+    ce, pred_rows = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[rows], model.lm_head,
+                                          blocks.targets.reshape(-1)[rows], chunk_rows)  # [N], [N]
+    w, denominator = weighting.weigh(ce.detach(), rows, blocks.row_valid)  # [N] detached, []
+    loss = (ce * w).sum() / denominator.clamp(min=1e-6)
     pred = torch.full_like(blocks.targets, -1)  # uncounted rows never count as correct
     pred.view(-1)[rows] = pred_rows
     metrics = block_metrics(pred, blocks)
     metrics["loss"] = loss.detach()
-    metrics["weight_sum"] = total_w.detach()
+    metrics["weight_sum"] = w.sum()
     return LossOutput(loss=loss, metrics=metrics)
 
 

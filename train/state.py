@@ -21,6 +21,7 @@ from dflash_cache.runtime.schema import CheckpointConfig
 from .checkpoint import Checkpointer, CheckpointError, LoadedCheckpoint, list_checkpoints
 from .guards import SpikeGuard
 from .metrics import METRICS_FILE, archive_metrics, read_metrics
+from .optim import check_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,7 @@ def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, op
             f"--nproc-per-node {saved_world} (or start a new --run-dir)"
         )
     changed = check_config_compatible(latest, ckpt.config, ckpt_cfg.allow_config_change)
+    check_optimizer_state(optimizer, latest.state["optimizer"], str(latest.path))
     fresh = _hyperparameters(optimizer, scheduler)  # what this run's config asks for
     model.load_state_dict(latest.model)
     optimizer.load_state_dict(latest.state["optimizer"])

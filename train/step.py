@@ -86,9 +86,11 @@ def train_step(
     d: Distributed,
     faults: FaultPlan = NO_FAULTS,
 ) -> StepResult:
-    """Forward/backward over the micro-batches, guard, then (unless skipped) clip + AdamW + schedule."""
+    """Forward/backward over the micro-batches, guard, then (unless skipped) clip + optimizer step + schedule.
+
+    The logged lr is the first parameter group's: AdamW's, or Muon's with ``train.optimizer = "muon"``."""
     device = d.device
-    params = list(optimizer.param_groups[0]["params"])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     lr = optimizer.param_groups[0]["lr"]
     scale = faults.scale(step)
     n_micro = len(micro_batches)

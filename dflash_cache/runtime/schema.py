@@ -136,9 +136,20 @@ class TrainConfig(Section):
     seed: int = 0
     epochs: int = Field(6, gt=0)
     max_steps: int | None = Field(None, gt=0)
-    lr: float = Field(6e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    # "adamw": AdamW over every trainable parameter (the reference recipe). "muon": torch.optim.Muon for the
+    # 2-D weight matrices (attention q/k/v/o, MLP, fc) and AdamW (lr, betas, weight_decay) for the rest (norms)
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    lr: float = Field(6e-4, gt=0)  # peak AdamW lr (every parameter with adamw; the non-matrix ones with muon)
+    weight_decay: float = Field(0.0, ge=0)  # AdamW's decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's betas
+    # peak Muon lr (same warmup + cosine schedule as lr); with muon_adjust_lr = "match_rms_adamw" an update has
+    # about the RMS of an AdamW update at this lr, but Muon's best lr is higher (docs/recipe.md)
+    muon_lr: float = Field(3e-3, gt=0)
+    muon_momentum: float = Field(0.95, ge=0, lt=1)  # Muon's (Nesterov) momentum
+    muon_weight_decay: float = Field(0.0, ge=0)  # Muon's decoupled weight decay
+    muon_ns_steps: int = Field(5, gt=0, lt=100)  # Newton-Schulz iterations orthogonalising each update
+    # per-matrix lr scale: "match_rms_adamw" 0.2*sqrt(max(rows, cols)) (Moonlight), "original" sqrt(max(1, rows/cols))
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
@@ -146,10 +157,21 @@ class TrainConfig(Section):
     num_anchors: int = Field(512, gt=0)  # blocks per document (sample), as in the DFlash recipe
     # block rows whose full-vocabulary logits exist at once in the loss (forward and backward); bounds its memory
     logits_chunk_rows: int = Field(2048, gt=0)
-    loss_gamma: float | None = Field(None, gt=0)  # None: 7 for B=16, 5 for B=10, 4 for B=8
+    # weights of the block rows in the loss: "exp_decay" exp(-(k-1)/loss_gamma), weighted mean (the reference
+    # recipe); "dpace" D-PACE weights from the drafter's own detached confidence per row (docs/recipe.md)
+    loss_weighting: Literal["exp_decay", "dpace"] = "exp_decay"
+    loss_gamma: float | None = Field(None, gt=0)  # exp_decay only; None: 7 for B=16, 5 for B=10, 4 for B=8
+    dpace_alpha: float = Field(0.5, gt=0, le=1)  # dpace only: confidence smoothing (1-alpha)*q + alpha
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     # refuse to start on a GPU when `dflash-train estimate` predicts a step peak above its memory
     check_memory: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.loss_weighting == "dpace" and self.loss_gamma is not None:
+            raise ValueError("loss_gamma sets the exp_decay weights; with loss_weighting = \"dpace\" leave it "
+                             "unset (dpace_alpha is D-PACE's parameter)")
+        return self
 
 
 class LoaderConfig(Section):
