@@ -34,6 +34,7 @@ from dflash_cache.lease import Holder, LeaseHeldError, PartCommittedError, PartL
 from dflash_cache.parts import part_key
 from dflash_cache.runtime.config import config_to_dict, load_config
 from dflash_cache.runtime.dist import Distributed
+from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.log import process_rank
 from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
@@ -516,15 +517,24 @@ def _finish(ctx: Distributed, cache: Any, report: ExtractReport) -> ExtractRepor
     return report
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dflash-extract", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="TOML preset, e.g. configs/tiny.toml")
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import COMMAND
+
+    p = command_parser(
+        "dflash-extract",
+        "Run the teacher over the conversations and write the hidden states the drafter needs into a feature "
+        "cache (a zarr group at a path or fsspec URL).",
+        "Rerunning the same command after a crash or preemption resumes: finished work units are kept, partial "
+        "ones recomputed. Under torchrun (torchrun --nproc-per-node N --no-python dflash-extract ...) each process "
+        "takes its share of the work units.",
+        epilog=COMMAND.epilog())
+    p.add_argument("config", help="TOML preset, e.g. configs/tiny.toml (keys: docs/config.md)")
     p.add_argument("--out", required=True, help="cache path or fsspec URL (created, or resumed)")
     p.add_argument("--data", help="input data (overrides data.path)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(list(argv))
+    return p
 
 
 def load_run_config(path: str, overrides: Sequence[str], data: str | None, skip_bad: bool) -> PipelineConfig:
@@ -540,7 +550,7 @@ def load_run_config(path: str, overrides: Sequence[str], data: str | None, skip_
 
 
 def cli_main(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(list(argv))
     cfg = load_run_config(args.config, args.set, args.data, args.skip_bad)
     from transformers.utils import logging as hf_logging
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dflash_cache.errors import DFlashError
-from dflash_cache.runtime.entry import run_cli
+from dflash_cache.runtime.entry import command_parser, run_cli
 
 log = logging.getLogger("dflash.demo")
 
@@ -113,14 +113,23 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
     print(f"Run report:   dflash-train report {s['run_dir']}")
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser(
+        "python -m train.demo",
+        "Run the whole pipeline on the embedded default (a tiny teacher built locally) on CPU: regenerate, "
+        "extract, train, then evaluate the drafter teacher-forced and by live speculative decoding.",
+        "It replaces --out (runs/demo) unless --keep is given, and writes its figures to OUT/summary.json.")
     p.add_argument("--out", default="runs/demo", help="output directory (replaced unless --keep)")
-    p.add_argument("--config", default="configs/tiny.toml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--config", default="configs/tiny.toml", help="TOML preset (default: configs/tiny.toml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable)")
     p.add_argument("--no-live", action="store_true", help="skip live speculative decoding")
     p.add_argument("--keep", action="store_true", help="resume into an existing --out instead of starting fresh")
-    args = p.parse_args(argv)
+    return p
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:
         # The tiny models' ops are far too small to split across threads: on a 2-core machine
         # intra-op threads contend with the loader's reader threads and run several times slower.
