@@ -415,7 +415,7 @@ def run_extraction(cfg: PipelineConfig, out_url: str, progress: bool = True) -> 
     t_start = time.perf_counter()
     ctx = Distributed.start()
     budget_cpu_threads(ctx.device, 0, ctx.local_world_size)  # compute-bound: the writers need no reserved core
-    log.info("extraction: %s", ctx.describe())
+    log.info("extraction: %s", ctx.describe())  # a collective: every rank calls it
     try:
         return _run(cfg, out_url, ctx, progress, t_start)
     finally:
