@@ -44,5 +44,7 @@ def setup_logging(level: int | str = logging.INFO, all_ranks: bool = False) -> N
     handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)
-    for noisy in ("urllib3", "fsspec", "asyncio", "numcodecs", "zarr", "matplotlib", "PIL"):
+    for noisy in ("urllib3", "fsspec", "asyncio", "numcodecs", "zarr", "matplotlib", "PIL", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # huggingface_hub prints through a handler of its own: propagating too would print every message twice
+    logging.getLogger("huggingface_hub").propagate = False
