@@ -28,6 +28,7 @@ from tqdm import tqdm
 from dflash_cache.errors import DataError
 from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.schema import PipelineConfig, RegenerateConfig
+from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .answer_log import OutputLock
 from .data import LoadedData, Record, load_records
@@ -194,6 +195,7 @@ def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> int:
     data, cursors = load_prompts(cfg)
     with OutputLock(out_path):
         model, tokenizer = load_teacher(cfg.teacher)
+        budget_cpu_threads(teacher_device(model), cfg.loader.num_readers)  # training's CPU thread budget
         check_chat_template(tokenizer)
         regen = Regenerator(model, tokenizer, cfg.regenerate, template_options(cfg))
         regenerate_conversations(regen, cursors, show)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 from dflash_cache.errors import DFlashError
 from dflash_cache.runtime.entry import command_parser, run_cli
+from dflash_cache.runtime.threads import budget_cpu_threads
 
 log = logging.getLogger("dflash.demo")
 
@@ -55,6 +55,7 @@ def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Pat
     from .evaluate import holdout_sample_ids, load_for_eval, run_live, teacher_forced_eval
 
     cfg = load_config(config, overrides)
+    budget_cpu_threads("cpu", cfg.loader.num_readers)  # the stages' CLIs set theirs; this one runs here
     cache = open_cache(cache_url)
     ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction)
     trained = load_for_eval(str(run_dir), cache, cfg.model.attention)
@@ -130,10 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    if "OMP_NUM_THREADS" not in os.environ:
-        # The tiny models' ops are far too small to split across threads: on a 2-core machine
-        # intra-op threads contend with the loader's reader threads and run several times slower.
-        torch.set_num_threads(1)
     out = Path(args.out)
     summary = run_demo(out, args.config, args.overrides, live=not args.no_live, fresh=not args.keep)
     _print_summary(summary, out)

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from dflash_cache.errors import ConfigError, DFlashError
 from dflash_cache.runtime.schema import EvalConfig, TeacherConfig
+from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .attention import BlockLayout
 from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
@@ -337,6 +338,9 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # training's CPU thread budget: torch's default (a thread per core) contends with the cache's readers and
+    # other processes, measured 2-5x slower on a busy 2-core machine (bench/bench_eval_threads.py)
+    budget_cpu_threads(device, cfg.loader.num_readers)
     cache = open_cache(args.cache)
     model = load_for_eval(args.checkpoint, cache, cfg.model.attention, device)
     ids = (holdout_sample_ids(cache, cfg.loader.holdout_fraction) if args.samples == "holdout"
