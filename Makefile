@@ -29,6 +29,13 @@ test: venv
 demo: venv
 	$(PY) -m train.demo --out runs/demo
 
+RUN ?= runs/demo/run
+tensorboard: venv  # make tensorboard RUN=runs/NAME
+	$(VENV)/bin/tensorboard --logdir $(RUN)
+
+report: venv  # make report RUN=runs/NAME
+	$(VENV)/bin/dflash-train report $(RUN)
+
 docs: venv
 	# docs/config.md from the schema's field docstrings (tests/test_config_reference.py checks it)
 	$(PY) -m dflash_cache.runtime.reference

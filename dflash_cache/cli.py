@@ -44,7 +44,8 @@ def cache_summary(url: str) -> dict[str, Any]:
 def _print_info(info: dict[str, Any]) -> None:
     t = info["teacher"]
     ratio = info["bytes_per_token"] / info["raw_bytes_per_token"] if info["raw_bytes_per_token"] else 0
-    print(f"teacher      {t['name_or_path']} (rev {t['revision']}, {t['num_layers']} layers, hidden {t['hidden_size']}, "
+    rev = f"revision {t['revision']}, " if t.get("revision") else ""
+    print(f"teacher      {t['name_or_path']} ({rev}{t['num_layers']} layers, hidden {t['hidden_size']}, "
           f"vocab {t['vocab_size']}, {t['dtype']})")
     print(f"layers       {info['target_layer_ids']}")
     mask = (f"{info['mask_token_id']} (from the {info['mask_token_source']})" if info["mask_token_id"] is not None

@@ -255,6 +255,7 @@ class PreparedUnit:
     stats: TokenizeStats
     buckets: dict[int, int]  # sample id -> bucket
     meta: dict[str, Any]
+    n_records: int  # input records of the unit (kept samples + dropped ones): its share of the progress bar
 
     @property
     def part(self) -> str:
@@ -308,7 +309,7 @@ class UnitRunner:
         meta = {"unit": unit, "unit_parts": len(unit_buckets), "unit_buckets": unit_buckets,
                 "unit_size": self.cfg.extract.unit_size, "unit_stats": stats.as_dict(), "rank": self.rank,
                 "world_size": self.world}
-        return PreparedUnit(unit, samples, stats, buckets, meta)
+        return PreparedUnit(unit, samples, stats, buckets, meta, len(records))
 
     def try_run(self, prep: PreparedUnit) -> bool:
         """Lease the unit's uncommitted parts and run it; False (nothing done) when a live process holds
@@ -340,9 +341,10 @@ class UnitRunner:
         self.holders.pop(prep.unit, None)
         if not leases:  # another process completed it meanwhile
             self.report.units_by_others += 1
-            self.progress.add(samples=len(prep.samples))
+            self.progress.add(samples=prep.n_records)
             return True
         self._count(prep)
+        self.progress.add(samples=prep.n_records - len(prep.samples))  # dropped records are done too
         self.run_unit(prep, leases, committed)
         return True
 
@@ -359,6 +361,7 @@ class UnitRunner:
             todo = [s for s in group if prep.buckets[s.sample_id] not in done_buckets]
             if todo:  # batches are planned over the whole unit so a partial redo computes identical features
                 self.run_batch(collate(group, self.pad_id), prep.buckets, done_buckets, prep.part, prep.meta)
+            self.progress.add(samples=len(group))
             self.progress.refresh()
         for b in prep.unit_buckets:
             if b not in done_buckets:
@@ -445,7 +448,7 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
     bar = ExtractProgress(ctx, todo_total, enabled=show)
     writer = BackgroundWriter(cache, cfg.extract.writer_threads, cfg.extract.max_inflight_bytes,
                               cfg.extract.on_nonfinite, on_commit=lambda info: bar.add(
-                                  samples=info.n_samples, committed_samples=info.n_samples,
+                                  committed_samples=info.n_samples,
                                   bytes=sum(int(a.get("stored_bytes", 0)) for a in info.arrays.values())))
     runner = UnitRunner(cfg, model, tokenizer, cache, layer_ids, writer, bar, report)
     runner.rank, runner.world = ctx.rank, ctx.world_size
@@ -461,6 +464,7 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
         wait_for_others(runner, deferred)
         stats = writer.close()
         report.loop_s = time.perf_counter() - t_loop
+        bar.finish()  # rank 0 draws until every rank is done: the bar ends at the job's total
     except BaseException:
         writer.abort()
         raise

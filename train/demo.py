@@ -62,6 +62,7 @@ def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Pat
     tf_trained = teacher_forced_eval(trained, cache, ids, max_blocks=cfg.eval.max_blocks)
     tf_untrained = teacher_forced_eval(_untrained_drafter(cfg, cache), cache, ids, max_blocks=cfg.eval.max_blocks)
     out: dict[str, Any] = {
+        "block_size": cfg.model.block_size,
         "acceptance_length": tf_trained.acceptance_length,
         "untrained_acceptance_length": tf_untrained.acceptance_length,
         "per_position_accuracy": tf_trained.per_position_accuracy,
@@ -83,8 +84,11 @@ def run_demo(out: Path, config: str = "configs/tiny.toml", overrides: Sequence[s
 
     from .cli import main as train_main
 
-    if fresh and out.exists():
-        shutil.rmtree(out)
+    if fresh:
+        log.info("the demo writes into %s and replaces what an earlier demo left there (--keep resumes into it)",
+                 out)
+        if out.exists():
+            shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     sets = [a for o in overrides for a in ("--set", o)]
     regenerated, cache, run_dir = out / "regenerated.jsonl", out / "cache", out / "run"
@@ -101,6 +105,27 @@ def run_demo(out: Path, config: str = "configs/tiny.toml", overrides: Sequence[s
     return summary
 
 
+def script(name: str) -> str:
+    """How to type this environment's console script ``name`` in a fresh shell, where the environment is not
+    active: its path, relative to the current directory when below it (``.venv/bin/tensorboard``)."""
+    path = Path(sys.executable).parent / name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def next_commands(s: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(what, command, note)`` the demo suggests at its end; each command works as printed in a fresh shell."""
+    run = s["run_dir"]
+    return [
+        ("TensorBoard", f"{script('tensorboard')} --logdir {run}", f"(or: make tensorboard RUN={run})"),
+        ("Run report", f"{script('dflash-train')} report {run}", f"(or: make report RUN={run})"),
+        ("Environment", f". {script('activate')}", "puts dflash-extract, dflash-train, dflash-cache and tensorboard "
+                                                   "on PATH"),
+    ]
+
+
 def _print_summary(s: dict[str, Any], out: Path) -> None:
     print()
     print(f"acceptance length (held-out, teacher-forced): trained {s['acceptance_length']:.3f}"
@@ -109,9 +134,11 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
         print(f"live speculative decoding with the teacher:   tau {s['live_acceptance_length']:.3f}"
               f" on {len(s['live_tau_per_prompt'])} held-out prompts (output identical to the teacher's greedy "
               "decoding)")
+    print(f"(acceptance length tau = tokens per teacher forward: 1.0 = no speed-up, {s['block_size']} (the block "
+          "size) = the ceiling)")
     print(f"whole demo: {s['seconds']:.0f} s; figures in {out / 'summary.json'}")
-    print(f"TensorBoard:  tensorboard --logdir {s['run_dir']}")
-    print(f"Run report:   dflash-train report {s['run_dir']}")
+    for what, cmd, note in next_commands(s):
+        print(f"{what + ':':<13}{cmd}   {note}")
 
 
 def build_parser() -> argparse.ArgumentParser:
