@@ -89,7 +89,7 @@ class ExtractProgress:
             f"{tot['tokens'] / elapsed:,.0f} tok/s, written {human_bytes(tot['bytes'])}, "
             f"projected {human_bytes(per_sample * self.total)}", refresh=False,
         )
-        if draw:
+        if draw and self.bar.n < self.total:  # the final state is drawn once, by close()
             self.bar.refresh()
         return tot
 
