@@ -98,13 +98,18 @@ def test_extract_under_accelerate_two_processes_matches_one_process(tiny_teacher
     finally:
         os.chdir(cwd)
     two = tmp_path / "accelerate"
-    # the console script itself, as a user runs it (config path relative to the repository root)
-    args[0] = str(ROOT / args[0])
+    # the console script itself, as a user runs it (config path relative to the repository root), with its
+    # progress bar
+    args = [str(ROOT / args[0]), *[a for a in args[1:] if a != "--no-progress"]]
     proc = _launch([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
                     "no", "--dynamo_backend", "no", "--main_process_port", _port(), "--no_python", "dflash-extract",
                     *args, "--out", str(two)], tmp_path)
     assert "extraction: world size 2 (2 per node), backend gloo, devices: " in proc.stderr
     assert "rank 0 cpu, rank 1 cpu" in proc.stderr
+    # rank 0's bar counts both ranks' samples and ends at the job's total, drawn once
+    bars = [seg for line in proc.stderr.splitlines() for seg in line.split("\r") if seg.startswith("extract:")]
+    assert bars and "100%" in bars[-1] and "16/16" in bars[-1], bars[-3:]
+    assert sum("16/16" in b for b in bars) == 1, bars
     parts = open_cache(str(two)).parts()
     assert {p.meta["rank"] for p in parts} == {0, 1} and {p.meta["world_size"] for p in parts} == {2}
     ref = _snapshot(single)
