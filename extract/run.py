@@ -445,6 +445,8 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
     todo_total = sum(len(by_unit.get(u, [])) for u in range(n_units) if u not in complete)
     report = ExtractReport(units_total=n_units, units_skipped=len(complete), n_bad=len(data.bad) if ctx.rank == 0 else 0,
                            n_bad_files=len(data.bad_files) if ctx.rank == 0 else 0)
+    log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world_size, len(mine),
+             n_units, len(complete))
     bar = ExtractProgress(ctx, todo_total, enabled=show)
     writer = BackgroundWriter(cache, cfg.extract.writer_threads, cfg.extract.max_inflight_bytes,
                               cfg.extract.on_nonfinite, on_commit=lambda info: bar.add(
@@ -452,8 +454,6 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
                                   bytes=sum(int(a.get("stored_bytes", 0)) for a in info.arrays.values())))
     runner = UnitRunner(cfg, model, tokenizer, cache, layer_ids, writer, bar, report)
     runner.rank, runner.world = ctx.rank, ctx.world_size
-    log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world_size, len(mine),
-             n_units, len(complete))
     t_loop = time.perf_counter()
     try:
         deferred = {}
