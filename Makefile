@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test demo lint bench gpu-check clean
+.PHONY: venv test demo docs lint bench gpu-check tensorboard report clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ test: venv
 
 demo: venv
 	$(PY) -m train.demo --out runs/demo
+
+RUN ?= runs/demo/run
+tensorboard: venv  # make tensorboard RUN=runs/NAME
+	$(VENV)/bin/tensorboard --logdir $(RUN)
+
+report: venv  # make report RUN=runs/NAME
+	$(VENV)/bin/dflash-train report $(RUN)
+
+docs: venv
+	# docs/config.md from the schema's field docstrings (tests/test_config_reference.py checks it)
+	$(PY) -m dflash_cache.runtime.reference
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -44,7 +44,8 @@ def cache_summary(url: str) -> dict[str, Any]:
 def _print_info(info: dict[str, Any]) -> None:
     t = info["teacher"]
     ratio = info["bytes_per_token"] / info["raw_bytes_per_token"] if info["raw_bytes_per_token"] else 0
-    print(f"teacher      {t['name_or_path']} (rev {t['revision']}, {t['num_layers']} layers, hidden {t['hidden_size']}, "
+    rev = f"revision {t['revision']}, " if t.get("revision") else ""
+    print(f"teacher      {t['name_or_path']} ({rev}{t['num_layers']} layers, hidden {t['hidden_size']}, "
           f"vocab {t['vocab_size']}, {t['dtype']})")
     print(f"layers       {info['target_layer_ids']}")
     mask = (f"{info['mask_token_id']} (from the {info['mask_token_source']})" if info["mask_token_id"] is not None
@@ -91,19 +92,31 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+_SUBCOMMANDS = {
+    "info": "Print what a cache holds: samples, tokens, bytes per token on disk against raw bf16, length buckets, "
+            "codec, teacher, layers, fingerprint, and uncommitted leftovers.",
+    "verify": "Re-read the frozen head and every committed part (checksums, shapes, offsets, id uniqueness, "
+              "finiteness) and check that every work unit is complete; list every bad part and exit 2 on any "
+              "fault.",
+    "gc": "Remove the uncommitted leftovers of writers that are gone.",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-cache", description="Inspect, check and clean a dflash feature cache.")
-    sub = p.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="samples, tokens, bytes per token, buckets, codec, teacher, leftovers")
-    info.add_argument("cache", help="cache path or fsspec URL")
+    p = argparse.ArgumentParser(prog="dflash-cache", description="Inspect, check and clean a dflash feature cache "
+                                "written by dflash-extract (docs/cache.md).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", help="one of:")
+
+    def add(name: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=_SUBCOMMANDS[name], description=_SUBCOMMANDS[name])
+        sp.add_argument("cache", help="cache path or fsspec URL")
+        return sp
+
+    info = add("info")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(fn=_cmd_info)
-    ver = sub.add_parser("verify", help="check the head, every committed part and the completeness of every work "
-                         "unit; lists every bad part, exit 2 on any fault")
-    ver.add_argument("cache")
-    ver.set_defaults(fn=_cmd_verify)
-    gc = sub.add_parser("gc", help="remove uncommitted leftovers of dead writers")
-    gc.add_argument("cache")
+    add("verify").set_defaults(fn=_cmd_verify)
+    gc = add("gc")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.add_argument("--min-age", type=float, default=LEASE_TIMEOUT_S,
                     help="leftovers of writers on other hosts count as abandoned when their lease heartbeat is older "

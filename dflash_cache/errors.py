@@ -7,6 +7,10 @@ class DFlashError(Exception):
     exit_code = 2
 
 
+class UsageError(DFlashError):
+    """The command line names no known subcommand (or is otherwise not a command)."""
+
+
 class ConfigError(DFlashError):
     """The config (file or ``--set`` overrides) is invalid."""
 

@@ -72,8 +72,11 @@ class VerifyReport:
         self.problems.append(Problem(part, array, message))
 
     def summary(self) -> str:
-        s = f"{self.n_parts} parts, {self.n_samples} samples, {self.n_tokens} tokens: "
-        s += "all checks pass" if self.ok else f"{len(self.problems)} problem(s)"
+        if self.ok:
+            s = f"{self.n_parts} parts, {self.n_samples} samples, {self.n_tokens} tokens: all checks pass"
+        else:  # the counts are of the parts that passed
+            s = (f"{self.n_parts} parts checked: {len(self.problems)} problem(s); the parts that pass hold "
+                 f"{self.n_samples} samples, {self.n_tokens} tokens")
         if self.being_written:
             s += f"; {len(self.being_written)} part(s) being written by a live extraction"
         listed = {p.part for p in self.problems}

@@ -1,20 +1,30 @@
-"""``dflash-extract``: extract (default), ``estimate`` and ``regenerate`` subcommands."""
+"""``dflash-extract``: extract (default), ``estimate`` and ``regenerate`` subcommands.
+
+Each subcommand module owns its own argument parser (``build_parser()``, run by ``cli_main(argv)``); this
+file only names them.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-from dflash_cache.runtime.entry import dispatch, run_cli
+from dflash_cache.runtime.entry import Command, Subcommand, dispatch, run_cli
 
-SUBCOMMANDS = {
-    "estimate": "extract.estimate",
-    "regenerate": "extract.regenerate",
-}
+COMMAND = Command(
+    prog="dflash-extract",
+    module="extract.run",
+    subcommands={
+        "estimate": Subcommand("extract.estimate", "Count samples and tokens after templating and project the "
+                               "cache size per codec, without loading the teacher's weights."),
+        "regenerate": Subcommand("extract.regenerate", "Replace every assistant turn with the teacher's own reply "
+                                 "(in this process, or through an OpenAI-compatible server) and write JSONL."),
+    },
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(lambda args: dispatch(args, SUBCOMMANDS, "extract.run"), argv)
+    return run_cli(lambda args: dispatch(args, COMMAND), argv)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash_cache.buckets import bucket_of
+from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.schema import PipelineConfig
 
 from .data import load_records
@@ -94,13 +95,20 @@ def estimate(cfg: PipelineConfig) -> Estimate:
                     kernel_hint(missing_kernels(text_cfg)))
 
 
-def cli_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="dflash-extract estimate", description=(__doc__ or "").splitlines()[0])
-    p.add_argument("config")
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser(
+        "dflash-extract estimate",
+        "Tokenize the data with the teacher's chat template and print the sample and token counts, the length "
+        "buckets and the projected cache size per codec, without loading the teacher's weights.")
+    p.add_argument("config", help="TOML preset, e.g. configs/qwen3-8b.toml (keys: docs/config.md)")
     p.add_argument("--data", help="input data (overrides data.path)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--skip-bad", action="store_true")
-    args = p.parse_args(list(argv))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
+    return p
+
+
+def cli_main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
     cfg = load_run_config(args.config, args.set, args.data, args.skip_bad)
     est = estimate(cfg)
     for line in est.lines(cfg.cache.codec):

@@ -47,11 +47,15 @@ class SharedCounters:
 
 
 class ExtractProgress:
-    """Counters updated by the compute loop and writer threads; rank 0 draws the aggregated bar."""
+    """Counters updated by the compute loop and writer threads; rank 0 draws the aggregated bar.
+
+    ``samples`` counts input records done (computed, or dropped by the tokenizer's filters, or completed by
+    another job), so that the bar ends at its total; the written bytes and the projected size come from the
+    committed parts."""
 
     def __init__(self, ctx: Distributed, total_samples: int, enabled: bool = True):
         self.ctx = ctx
-        self.counts = {"samples": 0.0, "tokens": 0.0, "bytes": 0.0, "committed_samples": 0.0}
+        self.counts = {"samples": 0.0, "tokens": 0.0, "bytes": 0.0, "committed_samples": 0.0, "done": 0.0}
         self._lock = threading.Lock()
         self._shared = SharedCounters(ctx)
         self._t0 = time.perf_counter()
@@ -65,16 +69,18 @@ class ExtractProgress:
             for k, v in delta.items():
                 self.counts[k] += v
 
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self, force: bool = False, draw: bool = True) -> dict[str, float]:
+        """Publish this rank's counters; on rank 0 update (and draw) the bar. Returns the job's totals as known
+        to this rank."""
         now = time.perf_counter()
-        if not force and now - self._last < _REFRESH_S:
-            return
-        self._last = now
         with self._lock:
             own = dict(self.counts)
+        if not force and now - self._last < _REFRESH_S:
+            return own
+        self._last = now
         self._shared.publish(own)
         if self.ctx.rank != 0 or self.bar.disable:
-            return
+            return own
         tot = self._shared.totals(own)
         self.bar.n = int(tot["samples"])
         elapsed = max(now - self._t0, 1e-9)
@@ -83,8 +89,23 @@ class ExtractProgress:
             f"{tot['tokens'] / elapsed:,.0f} tok/s, written {human_bytes(tot['bytes'])}, "
             f"projected {human_bytes(per_sample * self.total)}", refresh=False,
         )
-        self.bar.refresh()
+        if draw and self.bar.n < self.total:  # the final state is drawn once, by close()
+            self.bar.refresh()
+        return tot
+
+    def finish(self) -> None:
+        """This rank is done. Rank 0 keeps the bar live until every rank says so, then ends it at the job's
+        totals (the other ranks go on to the final reduction, where rank 0 meets them)."""
+        self.add(done=1.0)
+        tot = self.refresh(force=True, draw=False)
+        while self.ctx.rank == 0 and not self.bar.disable and tot.get("done", 0) < self.ctx.world_size:
+            time.sleep(_REFRESH_S)
+            tot = self.refresh(force=True)
+        self.close()
 
     def close(self) -> None:
-        self.refresh(force=True)
+        """End the bar: its last state is printed once, by tqdm's close (which disables the bar: a second call
+        does nothing)."""
+        if not self.bar.disable:
+            self.refresh(force=True, draw=False)
         self.bar.close()

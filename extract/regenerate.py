@@ -26,7 +26,9 @@ import torch
 from tqdm import tqdm
 
 from dflash_cache.errors import DataError
+from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.schema import PipelineConfig, RegenerateConfig
+from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .answer_log import OutputLock
 from .data import LoadedData, Record, load_records
@@ -193,6 +195,7 @@ def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> int:
     data, cursors = load_prompts(cfg)
     with OutputLock(out_path):
         model, tokenizer = load_teacher(cfg.teacher)
+        budget_cpu_threads(teacher_device(model), cfg.loader.num_readers)  # training's CPU thread budget
         check_chat_template(tokenizer)
         regen = Regenerator(model, tokenizer, cfg.regenerate, template_options(cfg))
         regenerate_conversations(regen, cursors, show)
@@ -201,19 +204,29 @@ def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> int:
     return len(cursors)
 
 
-def cli_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="dflash-extract regenerate", description=(__doc__ or "").splitlines()[0])
-    p.add_argument("config")
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser(
+        "dflash-extract regenerate",
+        "Replace every assistant turn of the conversations with the teacher's own reply, so that the drafter "
+        "learns the target's distribution, and write them as JSONL that dflash-extract reads with --data.",
+        "Without --endpoint the teacher generates in this process (Hugging Face generate, batched); with "
+        "--endpoint an OpenAI-compatible server (vllm serve, SGLang) does, and OUT is an append-only log that a "
+        "rerun resumes. See docs/regenerate.md.")
+    p.add_argument("config", help="TOML preset, e.g. configs/qwen3-8b.toml (keys: docs/config.md)")
     p.add_argument("--data", help="input conversations (overrides data.path)")
     p.add_argument("--out", required=True, help="output JSONL")
     p.add_argument("--endpoint", metavar="URL",
                    help="OpenAI-compatible server to ask (sets regenerate.endpoint); default: HF generate in-process")
     p.add_argument("--served-model", metavar="NAME",
                    help="served model to request, vouching that it is the teacher (sets regenerate.served_model)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--skip-bad", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(list(argv))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def cli_main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
     cfg = load_run_config(args.config, args.set, args.data, args.skip_bad)
     if args.endpoint:
         cfg.regenerate.endpoint = args.endpoint

@@ -34,6 +34,7 @@ from dflash_cache.lease import Holder, LeaseHeldError, PartCommittedError, PartL
 from dflash_cache.parts import part_key
 from dflash_cache.runtime.config import config_to_dict, load_config
 from dflash_cache.runtime.dist import Distributed
+from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.log import process_rank
 from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
@@ -254,6 +255,7 @@ class PreparedUnit:
     stats: TokenizeStats
     buckets: dict[int, int]  # sample id -> bucket
     meta: dict[str, Any]
+    n_records: int  # input records of the unit (kept samples + dropped ones): its share of the progress bar
 
     @property
     def part(self) -> str:
@@ -307,7 +309,7 @@ class UnitRunner:
         meta = {"unit": unit, "unit_parts": len(unit_buckets), "unit_buckets": unit_buckets,
                 "unit_size": self.cfg.extract.unit_size, "unit_stats": stats.as_dict(), "rank": self.rank,
                 "world_size": self.world}
-        return PreparedUnit(unit, samples, stats, buckets, meta)
+        return PreparedUnit(unit, samples, stats, buckets, meta, len(records))
 
     def try_run(self, prep: PreparedUnit) -> bool:
         """Lease the unit's uncommitted parts and run it; False (nothing done) when a live process holds
@@ -339,9 +341,10 @@ class UnitRunner:
         self.holders.pop(prep.unit, None)
         if not leases:  # another process completed it meanwhile
             self.report.units_by_others += 1
-            self.progress.add(samples=len(prep.samples))
+            self.progress.add(samples=prep.n_records)
             return True
         self._count(prep)
+        self.progress.add(samples=prep.n_records - len(prep.samples))  # dropped records are done too
         self.run_unit(prep, leases, committed)
         return True
 
@@ -358,6 +361,7 @@ class UnitRunner:
             todo = [s for s in group if prep.buckets[s.sample_id] not in done_buckets]
             if todo:  # batches are planned over the whole unit so a partial redo computes identical features
                 self.run_batch(collate(group, self.pad_id), prep.buckets, done_buckets, prep.part, prep.meta)
+            self.progress.add(samples=len(group))
             self.progress.refresh()
         for b in prep.unit_buckets:
             if b not in done_buckets:
@@ -414,7 +418,7 @@ def run_extraction(cfg: PipelineConfig, out_url: str, progress: bool = True) -> 
     t_start = time.perf_counter()
     ctx = Distributed.start()
     budget_cpu_threads(ctx.device, 0, ctx.local_world_size)  # compute-bound: the writers need no reserved core
-    log.info("extraction: %s", ctx.describe())
+    log.info("extraction: %s", ctx.describe())  # a collective: every rank calls it
     try:
         return _run(cfg, out_url, ctx, progress, t_start)
     finally:
@@ -441,15 +445,15 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
     todo_total = sum(len(by_unit.get(u, [])) for u in range(n_units) if u not in complete)
     report = ExtractReport(units_total=n_units, units_skipped=len(complete), n_bad=len(data.bad) if ctx.rank == 0 else 0,
                            n_bad_files=len(data.bad_files) if ctx.rank == 0 else 0)
+    log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world_size, len(mine),
+             n_units, len(complete))
     bar = ExtractProgress(ctx, todo_total, enabled=show)
     writer = BackgroundWriter(cache, cfg.extract.writer_threads, cfg.extract.max_inflight_bytes,
                               cfg.extract.on_nonfinite, on_commit=lambda info: bar.add(
-                                  samples=info.n_samples, committed_samples=info.n_samples,
+                                  committed_samples=info.n_samples,
                                   bytes=sum(int(a.get("stored_bytes", 0)) for a in info.arrays.values())))
     runner = UnitRunner(cfg, model, tokenizer, cache, layer_ids, writer, bar, report)
     runner.rank, runner.world = ctx.rank, ctx.world_size
-    log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world_size, len(mine),
-             n_units, len(complete))
     t_loop = time.perf_counter()
     try:
         deferred = {}
@@ -460,6 +464,7 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
         wait_for_others(runner, deferred)
         stats = writer.close()
         report.loop_s = time.perf_counter() - t_loop
+        bar.finish()  # rank 0 draws until every rank is done: the bar ends at the job's total
     except BaseException:
         writer.abort()
         raise
@@ -516,15 +521,24 @@ def _finish(ctx: Distributed, cache: Any, report: ExtractReport) -> ExtractRepor
     return report
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dflash-extract", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="TOML preset, e.g. configs/tiny.toml")
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import COMMAND
+
+    p = command_parser(
+        "dflash-extract",
+        "Run the teacher over the conversations and write the hidden states the drafter needs into a feature "
+        "cache (a zarr group at a path or fsspec URL).",
+        "Rerunning the same command after a crash or preemption resumes: finished work units are kept, partial "
+        "ones recomputed. Under torchrun (torchrun --nproc-per-node N --no-python dflash-extract ...) each process "
+        "takes its share of the work units.",
+        epilog=COMMAND.epilog())
+    p.add_argument("config", help="TOML preset, e.g. configs/tiny.toml (keys: docs/config.md)")
     p.add_argument("--out", required=True, help="cache path or fsspec URL (created, or resumed)")
     p.add_argument("--data", help="input data (overrides data.path)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(list(argv))
+    return p
 
 
 def load_run_config(path: str, overrides: Sequence[str], data: str | None, skip_bad: bool) -> PipelineConfig:
@@ -540,7 +554,7 @@ def load_run_config(path: str, overrides: Sequence[str], data: str | None, skip_
 
 
 def cli_main(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(list(argv))
     cfg = load_run_config(args.config, args.set, args.data, args.skip_bad)
     from transformers.utils import logging as hf_logging
 

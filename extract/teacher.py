@@ -11,8 +11,10 @@ the vocabulary logits are computed.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,20 +84,68 @@ def _group_max_memory() -> dict[Any, int] | None:
     return {i: torch.cuda.get_device_properties(i).total_memory for i in group}
 
 
+def _offline_requested() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def download_hint(path: str) -> str:
+    return (f"download it where the hub is reachable (hf download {path} --local-dir DIR; with huggingface_hub < 1.0: "
+            f"huggingface-cli download {path} --local-dir DIR) and set teacher.path to that directory "
+            "(--set teacher.path=DIR); see docs/troubleshooting.md")
+
+
+@functools.cache
+def _check_hub_serves(path: str, revision: str | None) -> None:
+    """One quick request (no retries) before anything is downloaded: an unreachable hub or an unknown model is
+    an error at once, not minutes of retry warnings."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    where = f"teacher.path {path!r} is not a local directory and not in the local Hugging Face cache"
+    try:
+        HfApi().model_info(path, revision=revision, timeout=10)
+    except GatedRepoError:
+        raise ConfigError(f"{where}, and it is a gated model on the hub: accept its licence on the model page and "
+                          f"log in (hf auth login), or {download_hint(path)}") from None
+    except RevisionNotFoundError:
+        raise ConfigError(f"{where}, and the hub has no revision {revision!r} of it (teacher.revision)") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(f"{where}, and the hub has no model of that name (or it is private: log in with hf auth "
+                          "login); check the spelling, or set teacher.path to a local model directory") from None
+    except Exception as err:  # connection refused, DNS failure, timeout, proxy error: all mean "unreachable"
+        raise ConfigError(f"{where}, and the hub is unreachable ({type(err).__name__}: {err}); "
+                          f"{download_hint(path)}") from None
+
+
+def from_pretrained(load: Any, teacher_cfg: TeacherConfig, what: str, **kwargs: Any) -> Any:
+    """``load(path, ...)`` (a transformers ``from_pretrained``) for ``teacher.path``: a local directory as it is;
+    a hub id from the local Hugging Face cache first, and from the hub only when that fails, the user did not
+    ask for offline mode (``HF_HUB_OFFLINE``) and one quick request shows the hub can serve it. Every failure
+    is one :class:`ConfigError` saying what to do."""
+    path = resolve_teacher_path(teacher_cfg.path)
+    kwargs.update(revision=teacher_cfg.revision, trust_remote_code=teacher_cfg.trust_remote_code)
+    if not Path(path).is_dir():
+        try:
+            return load(path, local_files_only=True, **kwargs)
+        except OSError:
+            pass  # not (completely) in the local cache
+        if _offline_requested():
+            raise ConfigError(f"teacher.path {path!r} is not a local directory and not in the local Hugging Face "
+                              f"cache, and offline mode is on (HF_HUB_OFFLINE); {download_hint(path)}")
+        _check_hub_serves(path, teacher_cfg.revision)
+    try:
+        return load(path, **kwargs)
+    except OSError as err:
+        hint = "" if Path(path).is_dir() else f"; {download_hint(path)}"
+        raise ConfigError(f"teacher.path {teacher_cfg.path!r}: could not load {what} ({err}){hint}") from None
+
+
 def load_tokenizer(teacher_cfg: TeacherConfig) -> Any:
     """The teacher's tokenizer (no weights are loaded)."""
     from transformers import AutoTokenizer
 
-    path = resolve_teacher_path(teacher_cfg.path)
-    try:
-        return AutoTokenizer.from_pretrained(
-            path, revision=teacher_cfg.revision, trust_remote_code=teacher_cfg.trust_remote_code
-        )
-    except OSError as err:
-        raise ConfigError(
-            f"teacher.path {teacher_cfg.path!r}: could not load a tokenizer ({err}); expected a local HF model "
-            "directory or a hub id available offline"
-        ) from None
+    return from_pretrained(AutoTokenizer.from_pretrained, teacher_cfg, "a tokenizer")
 
 
 def resolve_mask_token(mask_token_id: int | None, tokenizer: Any, vocab_size: int) -> tuple[int, str]:
@@ -126,14 +176,7 @@ def load_teacher_config(teacher_cfg: TeacherConfig) -> Any:
     """The teacher's HF text config (no weights are loaded)."""
     from transformers import AutoConfig
 
-    path = resolve_teacher_path(teacher_cfg.path)
-    try:
-        cfg = AutoConfig.from_pretrained(
-            path, revision=teacher_cfg.revision, trust_remote_code=teacher_cfg.trust_remote_code
-        )
-    except OSError as err:
-        raise ConfigError(f"teacher.path {teacher_cfg.path!r}: could not load config.json ({err})") from None
-    return cfg.get_text_config()
+    return from_pretrained(AutoConfig.from_pretrained, teacher_cfg, "config.json").get_text_config()
 
 
 def missing_kernels(text_config: Any) -> dict[str, list[str]]:
@@ -169,11 +212,7 @@ def load_teacher(teacher_cfg: TeacherConfig) -> tuple[nn.Module, Any]:
     """Load ``(model, tokenizer)`` in eval mode with gradients off, on ``teacher.device`` (or a device_map)."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_teacher_path(teacher_cfg.path)
-    kwargs: dict[str, Any] = dict(
-        revision=teacher_cfg.revision, trust_remote_code=teacher_cfg.trust_remote_code,
-        dtype=_DTYPES[teacher_cfg.dtype],
-    )
+    kwargs: dict[str, Any] = dict(dtype=_DTYPES[teacher_cfg.dtype])
     if teacher_cfg.attn_implementation:
         kwargs["attn_implementation"] = teacher_cfg.attn_implementation
     if teacher_cfg.device_map:
@@ -181,13 +220,7 @@ def load_teacher(teacher_cfg: TeacherConfig) -> tuple[nn.Module, Any]:
         max_memory = _group_max_memory()  # several processes per node: each spans its own GPU group
         if max_memory is not None:
             kwargs["max_memory"] = max_memory
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as err:
-        raise ConfigError(
-            f"teacher.path {teacher_cfg.path!r}: could not load the model ({err}); expected a local HF model "
-            "directory or a hub id available offline"
-        ) from None
+    model = from_pretrained(AutoModelForCausalLM.from_pretrained, teacher_cfg, "the model", **kwargs)
     if not teacher_cfg.device_map:
         model.to(resolve_device(teacher_cfg.device))
     model.eval().requires_grad_(False)

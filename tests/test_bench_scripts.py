@@ -59,3 +59,14 @@ def test_bench_specforge_without_specforge_says_skipped_and_writes_nothing(monke
     assert _run(monkeypatch, "bench_specforge", "--out", str(out)) == 0
     assert "skipped: specforge is not importable" in capsys.readouterr().out
     assert not out.exists()
+
+
+def test_bench_eval_threads_compares_default_threads_with_the_budget(monkeypatch, tmp_path):
+    out = tmp_path / "eval_threads.json"
+    _run(monkeypatch, "bench_eval_threads", "--rounds", "1", "--samples", "16", "--steps", "1", "--prompts", "1",
+         "--new-tokens", "4", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert len(r["runs"]["default"]) == len(r["runs"]["budget"]) == 1
+    assert r["runs"]["default"][0]["threads"] == r["torch_default_threads"]
+    assert 1 <= r["budget_threads"] <= r["torch_default_threads"]
+    assert r["cpu_ratio_default_over_budget"] > 0 and r["wall_ratio_default_over_budget"] > 0

@@ -46,6 +46,7 @@ def _assert_verify_names(url: Path, part_key: str, array: str, capsys) -> None:
     assert cli_main(["verify", str(url)]) == 2
     msg = capsys.readouterr().err
     assert part_key in msg and array in msg
+    assert msg.count(f"part {part_key}") == 1 and "dflash-cache verify" not in msg  # named once; no "run verify"
 
 
 def test_clean_cache_verifies(cache_dir, capsys):
@@ -53,6 +54,13 @@ def test_clean_cache_verifies(cache_dir, capsys):
     assert (report.n_samples, report.ok, report.uncommitted) == (40, True, [])
     assert cli_main(["verify", str(cache_dir)]) == 0
     assert "40 samples" in capsys.readouterr().out
+
+
+def test_info_reads_as_text(cache_dir, capsys):
+    assert cli_main(["info", str(cache_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("teacher ") and "None" not in out  # an unset revision is left out, not printed as None
+    assert "40 samples" not in out and "samples      40" in out
 
 
 def test_truncated_chunk_file(cache_dir, capsys):

@@ -3,7 +3,10 @@
 accelerate 1.x starts N processes with the torchrun contract (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) through its multi-process launcher (``--multi_gpu``, which also runs on
 CPU); ``--cpu --num_processes N`` starts a single process without ranks, which the commands refuse.
-See docs/launchers.md.
+
+Every launch runs the console scripts (``--no-python dflash-train``), as documented, from a directory that
+holds a ``train.py`` and an ``extract.py`` (common in ML repositories): the commands must not depend on
+the current directory, as ``-m train.cli`` does. See docs/launchers.md.
 """
 
 from __future__ import annotations
@@ -41,16 +44,42 @@ def _port() -> str:
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    # CPU processes even where GPUs exist; no user accelerate config (HF_HOME holds its default file)
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "PYTHONPATH")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    # CPU processes even where GPUs exist; no user accelerate config (HF_HOME holds its default file); the
+    # environment's scripts on PATH, as after `. .venv/bin/activate`
     return {**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HOME": str(tmp_path / "hf"),
-            "PYTHONPATH": str(ROOT)}
+            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"}
+
+
+def _decoy_dir(tmp_path: Path) -> Path:
+    """A working directory with its own train.py and extract.py, which `-m train.cli` would import."""
+    d = tmp_path / "ml-repo"
+    d.mkdir(exist_ok=True)
+    for name in ("train", "extract"):
+        (d / f"{name}.py").write_text(f"raise SystemExit('the decoy {name}.py of the current directory ran')\n")
+    return d
 
 
 def _launch(cmd: list[str], tmp_path: Path, expect: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=_decoy_dir(tmp_path), env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == expect, proc.stderr[-3000:]
+    assert "decoy" not in proc.stderr
     return proc
+
+
+def test_module_form_breaks_in_a_directory_with_train_py_so_docs_use_the_console_scripts(tmp_path):
+    # why the docs show `--no-python dflash-train`: with `-m`, the current directory comes first on sys.path
+    proc = subprocess.run([sys.executable, "-m", "train.cli", "--help"], cwd=_decoy_dir(tmp_path),
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "decoy train.py" in proc.stderr
+    # so no command shown to users (code blocks of the pages, the presets' comments) uses the -m form
+    shown = "\n".join(block for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+                      for block in p.read_text().split("```")[1::2])
+    shown += "\n".join(p.read_text() for p in (ROOT / "configs").glob("*.toml"))
+    assert "-m train.cli" not in shown and "-m extract.cli" not in shown
+    assert "--no-python dflash-train" in shown and "--no-python dflash-extract" in shown
 
 
 def _snapshot(url: Path) -> dict[int, tuple[bytes, bytes, bytes]]:
@@ -71,10 +100,18 @@ def test_extract_under_accelerate_two_processes_matches_one_process(tiny_teacher
     finally:
         os.chdir(cwd)
     two = tmp_path / "accelerate"
-    # the console script itself, as a user runs it
-    _launch([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-             "--dynamo_backend", "no", "--main_process_port", _port(), "--no_python", str(BIN / "dflash-extract"),
-             *args, "--out", str(two)], tmp_path)
+    # the console script itself, as a user runs it (config path relative to the repository root), with its
+    # progress bar
+    args = [str(ROOT / args[0]), *[a for a in args[1:] if a != "--no-progress"]]
+    proc = _launch([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+                    "no", "--dynamo_backend", "no", "--main_process_port", _port(), "--no_python", "dflash-extract",
+                    *args, "--out", str(two)], tmp_path)
+    assert "extraction: world size 2 (2 per node), backend gloo, devices: " in proc.stderr
+    assert "rank 0 cpu, rank 1 cpu" in proc.stderr
+    # rank 0's bar counts both ranks' samples and ends at the job's total, drawn once
+    bars = [seg for line in proc.stderr.splitlines() for seg in line.split("\r") if seg.startswith("extract:")]
+    assert bars and "100%" in bars[-1] and "16/16" in bars[-1], bars[-3:]
+    assert sum("16/16" in b for b in bars) == 1, bars
     parts = open_cache(str(two)).parts()
     assert {p.meta["rank"] for p in parts} == {0, 1} and {p.meta["world_size"] for p in parts} == {2}
     ref = _snapshot(single)
@@ -93,12 +130,16 @@ def cache(tmp_path_factory) -> str:
 
 
 def test_train_under_accelerate_matches_torchrun(cache, tmp_path):
-    train = ["-m", "train.cli", str(ROOT / "configs" / "tiny.toml"), "--cache", cache, *_sets(*TRAIN_SETS)]
+    train = [str(ROOT / "configs" / "tiny.toml"), "--cache", cache, *_sets(*TRAIN_SETS)]
     torchrun, acc = tmp_path / "torchrun", tmp_path / "accelerate"
-    _launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", _port(),
-             *train, "--run-dir", str(torchrun)], tmp_path)
+    proc = _launch(["torchrun", "--nproc-per-node", "2", "--master-port", _port(), "--no-python", "dflash-train",
+                    *train, "--run-dir", str(torchrun)], tmp_path)
+    # rank 0 says what the job runs on, for every rank
+    assert "training: world size 2 (2 per node), backend gloo, devices: " in proc.stderr
+    assert "rank 0 cpu, rank 1 cpu" in proc.stderr
     _launch([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-             "--dynamo_backend", "no", "--main_process_port", _port(), *train, "--run-dir", str(acc)], tmp_path)
+             "--dynamo_backend", "no", "--main_process_port", _port(), "--no_python", "dflash-train", *train,
+             "--run-dir", str(acc)], tmp_path)
     a, b = read_metrics(torchrun), read_metrics(acc)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     for ra, rb in zip(a, b, strict=True):  # the same ranks, data and reductions: bitwise equal
@@ -109,7 +150,7 @@ def test_accelerate_cpu_flag_with_several_processes_is_refused(tmp_path):
     # accelerate --cpu --num_processes 2 starts ONE process without RANK/WORLD_SIZE (it leaves CPU ranks to
     # mpirun): running it would silently be a single-process job, so the command says how to launch instead
     proc = _launch([*ACCELERATE, "--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-                    "--dynamo_backend", "no", "-m", "extract.cli", "configs/tiny.toml", "--out",
-                    str(tmp_path / "cache")], tmp_path, expect=1)
+                    "--dynamo_backend", "no", "--no_python", "dflash-extract", str(ROOT / "configs" / "tiny.toml"),
+                    "--out", str(tmp_path / "cache")], tmp_path, expect=1)
     assert "accelerate launch --multi_gpu --num_processes N" in proc.stderr
     assert not (tmp_path / "cache").exists()

@@ -1,6 +1,7 @@
-"""``dflash-train``: train (default), ``eval``, ``export`` and ``report`` subcommands.
+"""``dflash-train``: train (default), ``estimate``, ``eval``, ``export`` and ``report`` subcommands.
 
-Each subcommand module owns its own argument parser (``cli_main(argv)``); this file only dispatches.
+Each subcommand module owns its own argument parser (``build_parser()``, run by ``cli_main(argv)``); this
+file only names them.
 """
 
 from __future__ import annotations
@@ -8,18 +9,26 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from dflash_cache.runtime.entry import dispatch, run_cli
+from dflash_cache.runtime.entry import Command, Subcommand, dispatch, run_cli
 
-SUBCOMMANDS = {
-    "estimate": "train.estimate",
-    "eval": "train.evaluate",
-    "export": "train.export",
-    "report": "train.report",
-}
+COMMAND = Command(
+    prog="dflash-train",
+    module="train.run",
+    subcommands={
+        "estimate": Subcommand("train.estimate", "Predict the memory, compute and time of a training step and of "
+                               "the run before it starts, without loading any weights."),
+        "eval": Subcommand("train.evaluate", "Measure a drafter's acceptance length on held-out samples, and with "
+                           "--live by real speculative decoding with the teacher."),
+        "export": Subcommand("train.export", "Write a checkpoint as a Hugging Face directory that SGLang and vLLM "
+                             "load as a DFlash draft model."),
+        "report": Subcommand("train.report", "Summarise a run's logs: loss spikes, skipped steps, gaps, checkpoint "
+                             "saves, evaluations and where the time went."),
+    },
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(lambda args: dispatch(args, SUBCOMMANDS, "train.run"), argv)
+    return run_cli(lambda args: dispatch(args, COMMAND), argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -24,7 +23,8 @@ from typing import Any
 import torch
 
 from dflash_cache.errors import DFlashError
-from dflash_cache.runtime.entry import run_cli
+from dflash_cache.runtime.entry import command_parser, run_cli
+from dflash_cache.runtime.threads import budget_cpu_threads
 
 log = logging.getLogger("dflash.demo")
 
@@ -55,12 +55,14 @@ def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Pat
     from .evaluate import holdout_sample_ids, load_for_eval, run_live, teacher_forced_eval
 
     cfg = load_config(config, overrides)
+    budget_cpu_threads("cpu", cfg.loader.num_readers)  # the stages' CLIs set theirs; this one runs here
     cache = open_cache(cache_url)
     ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction)
     trained = load_for_eval(str(run_dir), cache, cfg.model.attention)
     tf_trained = teacher_forced_eval(trained, cache, ids, max_blocks=cfg.eval.max_blocks)
     tf_untrained = teacher_forced_eval(_untrained_drafter(cfg, cache), cache, ids, max_blocks=cfg.eval.max_blocks)
     out: dict[str, Any] = {
+        "block_size": cfg.model.block_size,
         "acceptance_length": tf_trained.acceptance_length,
         "untrained_acceptance_length": tf_untrained.acceptance_length,
         "per_position_accuracy": tf_trained.per_position_accuracy,
@@ -82,8 +84,11 @@ def run_demo(out: Path, config: str = "configs/tiny.toml", overrides: Sequence[s
 
     from .cli import main as train_main
 
-    if fresh and out.exists():
-        shutil.rmtree(out)
+    if fresh:
+        log.info("the demo writes into %s and replaces what an earlier demo left there (--keep resumes into it)",
+                 out)
+        if out.exists():
+            shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     sets = [a for o in overrides for a in ("--set", o)]
     regenerated, cache, run_dir = out / "regenerated.jsonl", out / "cache", out / "run"
@@ -100,6 +105,27 @@ def run_demo(out: Path, config: str = "configs/tiny.toml", overrides: Sequence[s
     return summary
 
 
+def script(name: str) -> str:
+    """How to type this environment's console script ``name`` in a fresh shell, where the environment is not
+    active: its path, relative to the current directory when below it (``.venv/bin/tensorboard``)."""
+    path = Path(sys.executable).parent / name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def next_commands(s: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(what, command, note)`` the demo suggests at its end; each command works as printed in a fresh shell."""
+    run = s["run_dir"]
+    return [
+        ("TensorBoard", f"{script('tensorboard')} --logdir {run}", f"(or: make tensorboard RUN={run})"),
+        ("Run report", f"{script('dflash-train')} report {run}", f"(or: make report RUN={run})"),
+        ("Environment", f". {script('activate')}", "puts dflash-extract, dflash-train, dflash-cache and tensorboard "
+                                                   "on PATH"),
+    ]
+
+
 def _print_summary(s: dict[str, Any], out: Path) -> None:
     print()
     print(f"acceptance length (held-out, teacher-forced): trained {s['acceptance_length']:.3f}"
@@ -108,23 +134,30 @@ def _print_summary(s: dict[str, Any], out: Path) -> None:
         print(f"live speculative decoding with the teacher:   tau {s['live_acceptance_length']:.3f}"
               f" on {len(s['live_tau_per_prompt'])} held-out prompts (output identical to the teacher's greedy "
               "decoding)")
+    print(f"(acceptance length tau = tokens per teacher forward: 1.0 = no speed-up, {s['block_size']} (the block "
+          "size) = the ceiling)")
     print(f"whole demo: {s['seconds']:.0f} s; figures in {out / 'summary.json'}")
-    print(f"TensorBoard:  tensorboard --logdir {s['run_dir']}")
-    print(f"Run report:   dflash-train report {s['run_dir']}")
+    for what, cmd, note in next_commands(s):
+        print(f"{what + ':':<13}{cmd}   {note}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = command_parser(
+        "python -m train.demo",
+        "Run the whole pipeline on the embedded default (a tiny teacher built locally) on CPU: regenerate, "
+        "extract, train, then evaluate the drafter teacher-forced and by live speculative decoding.",
+        "It replaces --out (runs/demo) unless --keep is given, and writes its figures to OUT/summary.json.")
+    p.add_argument("--out", default="runs/demo", help="output directory (replaced unless --keep)")
+    p.add_argument("--config", default="configs/tiny.toml", help="TOML preset (default: configs/tiny.toml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable)")
+    p.add_argument("--no-live", action="store_true", help="skip live speculative decoding")
+    p.add_argument("--keep", action="store_true", help="resume into an existing --out instead of starting fresh")
+    return p
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/demo", help="output directory (replaced unless --keep)")
-    p.add_argument("--config", default="configs/tiny.toml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--no-live", action="store_true", help="skip live speculative decoding")
-    p.add_argument("--keep", action="store_true", help="resume into an existing --out instead of starting fresh")
-    args = p.parse_args(argv)
-    if "OMP_NUM_THREADS" not in os.environ:
-        # The tiny models' ops are far too small to split across threads: on a 2-core machine
-        # intra-op threads contend with the loader's reader threads and run several times slower.
-        torch.set_num_threads(1)
+    args = build_parser().parse_args(argv)
     out = Path(args.out)
     summary = run_demo(out, args.config, args.overrides, live=not args.no_live, fresh=not args.keep)
     _print_summary(summary, out)

@@ -518,14 +518,15 @@ def check_fits(cfg: Any, cache: Any, device: Any, total: int | None = None) -> N
             "to start anyway")
 
 
-def _parser() -> Any:
-    import argparse
+def build_parser() -> Any:
+    from dflash_cache.runtime.entry import command_parser
 
-    p = argparse.ArgumentParser(
-        prog="dflash-train estimate",
-        description="Memory, compute and time of one training step and of the run, from the config's shapes "
-        "(and a cache's index with --cache), without loading any weights.")
-    p.add_argument("config", help="TOML preset, e.g. configs/qwen3-8b.toml")
+    p = command_parser(
+        "dflash-train estimate",
+        "Predict the peak memory, the compute and the time of one training step and of the whole run from the "
+        "config's shapes (and a cache's index with --cache), without loading any weights.",
+        "Training runs the same check before it starts on a GPU (train.check_memory).")
+    p.add_argument("config", help="TOML preset, e.g. configs/qwen3-8b.toml (keys: docs/config.md)")
     p.add_argument("--cache", help="a feature cache: block positions per step and steps per epoch from its real "
                    "plan (only small index arrays are read)")
     p.add_argument("--gpu-memory", type=float, metavar="GIB", help="device memory to fit in, in GiB "
@@ -548,7 +549,7 @@ def cli_main(argv: Any = None) -> int:
 
     from dflash_cache.runtime.config import load_config
 
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     cache = None
     if args.cache:

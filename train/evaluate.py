@@ -36,6 +36,7 @@ from torch import Tensor
 
 from dflash_cache.errors import ConfigError, DFlashError
 from dflash_cache.runtime.schema import EvalConfig, TeacherConfig
+from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .attention import BlockLayout
 from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
@@ -307,12 +308,20 @@ def load_for_eval(checkpoint: str, cache: Any, attention: str = "auto", device: 
 # ----------------------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train eval", description="Acceptance length of a drafter.")
+def build_parser() -> argparse.ArgumentParser:
+    from dflash_cache.runtime.entry import command_parser
+
+    p = command_parser(
+        "dflash-train eval",
+        "Measure a drafter's acceptance length tau (tokens per target forward): teacher-forced over every "
+        "eligible anchor of the cache's held-out samples, and with --live by real greedy speculative decoding "
+        "with the teacher, checked token for token against the teacher's own greedy output.",
+        "tau = 1.0 means no speed-up; the block size is the ceiling.")
     p.add_argument("config", help="TOML preset (the run's config): model/loader/eval/teacher sections")
     p.add_argument("--cache", required=True, help="feature cache URL (held-out samples and the frozen head)")
     p.add_argument("--checkpoint", required=True, help="checkpoint dir, run dir (latest checkpoint) or drafter dir")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable)")
     p.add_argument("--samples", choices=["holdout", "all"], default="holdout",
                    help="evaluate (teacher-forced, and live prompts) on the held-out samples (default) or the whole "
                         "cache (which includes the training samples)")
@@ -326,9 +335,12 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     from dflash_cache import open_cache
     from dflash_cache.runtime.config import load_config
 
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # training's CPU thread budget: torch's default (a thread per core) contends with the cache's readers and
+    # other processes, measured 2-5x slower on a busy 2-core machine (bench/bench_eval_threads.py)
+    budget_cpu_threads(device, cfg.loader.num_readers)
     cache = open_cache(args.cache)
     model = load_for_eval(args.checkpoint, cache, cfg.model.attention, device)
     ids = (holdout_sample_ids(cache, cfg.loader.holdout_fraction) if args.samples == "holdout"

@@ -208,19 +208,28 @@ def export_drafter(state: dict[str, Tensor], cfg: DFlashConfig, out: str | Path,
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train export", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    from dflash_cache.runtime.entry import command_parser
+
+    p = command_parser(
+        "dflash-train export",
+        "Write a drafter as a Hugging Face directory that SGLang and vLLM load as a DFlash draft model: "
+        "config.json, model.safetensors with the released drafters' weight names (no embedding, no lm_head) and "
+        "the modeling file dflash.py. See docs/serving.md.",
+        "The target's vocabulary size and layer ids come from the checkpoint when it records them, else from "
+        "--cache.")
     p.add_argument("checkpoint", help="a run dir (latest committed checkpoint), a checkpoint dir, or a drafter dir")
     p.add_argument("--out", required=True, help="output directory (HF format)")
     p.add_argument("--cache", help="the cache the drafter was trained on (when the checkpoint does not record "
                    "the target's vocabulary and layer ids)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="dtype of the written weights "
+                   "(default: bfloat16)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return p
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     loaded = load_weights(args.checkpoint)
     spec = None
     if args.cache:

@@ -106,7 +106,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
 
 
 def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed) -> TrainResult:
-    log.info("training: %s", d.describe())
+    log.info("training: %s", d.describe())  # a collective: every rank calls it
     budget_cpu_threads(d.device, cfg.loader.num_readers, d.local_world_size)
     check_fits(cfg, cache, d.device)  # before any GPU memory is taken: the worst step must fit
     torch.manual_seed(cfg.train.seed)

@@ -296,13 +296,24 @@ def report_figure(all_records: list[dict[str, Any]], rep: RunReport, title: str 
     return fig
 
 
-def cli_main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-train report", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    from dflash_cache.runtime.entry import command_parser
+
+    p = command_parser(
+        "dflash-train report",
+        "Summarise a run from RUN/metrics.jsonl: loss spikes with their step, bucket and grad norm, steps the "
+        "guards skipped and why, gaps in the step sequence, checkpoint saves, held-out evaluations, where the "
+        "wall time went, and loader starvation.",
+        "With --png it also draws the loss and acceptance length over steps with spikes, skips and saves marked.")
     p.add_argument("run_dir", help="a run directory written by dflash-train")
     p.add_argument("--png", help="also write a figure to this file")
     p.add_argument("--window", type=int, default=64, help="trailing window (steps) for spike z-scores")
     p.add_argument("--z", type=float, default=6.0, help="robust z-score above which a loss is a spike")
-    args = p.parse_args(argv)
+    return p
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     records = read_metrics(args.run_dir, kind=None)
     if not records:
         raise DFlashError(f"{Path(args.run_dir) / METRICS_FILE} is missing or empty; is {args.run_dir} a "

@@ -10,17 +10,20 @@ import argparse
 from collections.abc import Sequence
 
 from dflash_cache.runtime.config import load_config
+from dflash_cache.runtime.entry import command_parser
 
-from .loop import train
 
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import COMMAND
 
-def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dflash-train",
-        description="Train a DFlash drafter from a feature cache. Rerunning the same command resumes "
-        "from the latest checkpoint in --run-dir. Subcommands: eval, export, report.",
-    )
-    p.add_argument("config", help="TOML preset, e.g. configs/tiny.toml")
+    p = command_parser(
+        "dflash-train",
+        "Train a DFlash drafter from a feature cache written by dflash-extract. Rerunning the same command "
+        "resumes from the latest checkpoint in --run-dir.",
+        "Under torchrun (torchrun --nproc-per-node N --no-python dflash-train ...) each process is one "
+        "data-parallel replica. Metrics go to RUN/metrics.jsonl and TensorBoard (docs/metrics.md).",
+        epilog=COMMAND.epilog())
+    p.add_argument("config", help="TOML preset, e.g. configs/tiny.toml (keys: docs/config.md)")
     p.add_argument("--cache", required=True, help="feature cache (path or fsspec URL) from dflash-extract")
     p.add_argument("--run-dir", required=True, help="where checkpoints, metrics.jsonl and TensorBoard logs go")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -29,7 +32,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    from .loop import train  # here, so that --help does not load torch
+
     cfg = load_config(args.config, args.overrides)
     result = train(cfg, args.cache, args.run_dir)
     if result.checkpoint is not None:

@@ -53,7 +53,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see the config reference in README.md)"
+            msg = "unknown key (check the spelling; see docs/config.md)"
         lines.append(f"  {path}: {msg}")
     return "\n".join(lines)
 

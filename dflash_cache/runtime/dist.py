@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +32,12 @@ log = logging.getLogger(__name__)
 # the final reduction after their last unit, which can be hours apart on unequal hardware or data,
 # and torchrun / accelerate already tear the group down when a rank dies.
 COLLECTIVE_TIMEOUT = timedelta(hours=24)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 @dataclass(frozen=True)
@@ -117,10 +124,19 @@ class Distributed:
         return d
 
     def describe(self) -> str:
-        """One line for the start-up log: world size, backend, device."""
-        backend = dist.get_backend() if self.enabled else "none"
-        return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}), "
-                f"backend {backend}, device {self.device}")
+        """One line for the start-up log: world size, backend, and the device of every rank with its host.
+
+        A collective (every rank calls it at the same point), so that rank 0, the one that logs, names the
+        devices of all ranks: ``world size 2 (2 per node), backend gloo, devices: node-a: rank 0 cpu, rank 1 cpu``."""
+        if not self.enabled:
+            return f"world size 1 (one process, no process group), device {_device_name(self.device)}"
+        here = (socket.gethostname(), self.rank, _device_name(self.device))
+        by_host: dict[str, list[str]] = {}
+        for host, rank, device in sorted(self.gather_objects(here), key=lambda t: t[1]):
+            by_host.setdefault(host, []).append(f"rank {rank} {device}")
+        devices = "; ".join(f"{host}: {', '.join(ranks)}" for host, ranks in by_host.items())
+        return (f"world size {self.world_size} ({self.local_world_size} per node), backend {dist.get_backend()}, "
+                f"devices: {devices}")
 
     def barrier(self) -> None:
         if self.enabled:

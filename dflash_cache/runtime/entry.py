@@ -1,13 +1,19 @@
-"""Shared plumbing for the console scripts: logging setup and user-facing error handling."""
+"""Shared plumbing for the console scripts: logging setup, user-facing errors, subcommand dispatch and help."""
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
 import logging
+import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
-from ..errors import DFlashError
+from ..errors import DFlashError, UsageError
 from .dist import check_launcher_env
 from .log import setup_logging
 
@@ -29,12 +35,76 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
     return int(rc or 0)
 
 
-def dispatch(argv: Sequence[str] | None, subcommands: Mapping[str, str], default: str) -> int | None:
-    """Run ``<module>.cli_main(rest)`` for ``argv[0]`` in ``subcommands``, else ``<default>.cli_main(argv)``.
+@dataclass(frozen=True)
+class Subcommand:
+    module: str  # has build_parser() and cli_main(argv)
+    summary: str  # one sentence, for the command's --help
 
-    Modules are imported on use, so ``--help`` of one subcommand does not load the others' dependencies.
+
+@dataclass(frozen=True)
+class Command:
+    """A console script: a default command (``module``) and named subcommands, each its own module."""
+
+    prog: str
+    module: str
+    subcommands: Mapping[str, Subcommand]
+
+    def epilog(self) -> str:
+        """The subcommands with their summaries, for the default command's --help."""
+        indent = max(len(n) for n in self.subcommands) + 4
+        lines = ["subcommands:"]
+        for name, sub in self.subcommands.items():
+            first, *rest = textwrap.wrap(sub.summary, _help_width() - indent)
+            lines += [f"  {name:<{indent - 2}}{first}", *(" " * indent + r for r in rest)]
+        lines.append(f"\nRun `{self.prog} SUBCOMMAND --help` for a subcommand's options.")
+        return "\n".join(lines)
+
+
+def _help_width() -> int:
+    return min(100, shutil.get_terminal_size().columns) - 2  # argparse's own width rule, capped
+
+
+class _ParagraphsFormatter(argparse.HelpFormatter):
+    """Wraps each blank-line separated paragraph of a description; keeps indented blocks (the subcommand
+    list) as they are."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(
+            block if any(line.startswith(" ") for line in block.splitlines())
+            else textwrap.fill(" ".join(block.split()), width, initial_indent=indent, subsequent_indent=indent)
+            for block in text.split("\n\n"))
+
+
+def command_parser(prog: str, *paragraphs: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """An argument parser whose description is ``paragraphs`` (whole sentences, each wrapped to the terminal)."""
+    return argparse.ArgumentParser(prog=prog, description="\n\n".join(paragraphs), epilog=epilog,
+                                   formatter_class=_ParagraphsFormatter)
+
+
+def dispatch(argv: Sequence[str] | None, command: Command) -> int | None:
+    """Run ``<subcommand module>.cli_main(rest)`` for ``argv[0]`` in the command's subcommands, else the default
+    command's ``cli_main(argv)``.
+
+    Modules are imported on use, so ``--help`` of one subcommand does not load the others' dependencies. A
+    first argument that is neither a subcommand nor a config file (``dflash-train evl ...``) is an error that
+    says so (exit 2), not the default command's complaint about its missing options.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in subcommands:
-        return importlib.import_module(subcommands[args[0]]).cli_main(args[1:])
-    return importlib.import_module(default).cli_main(args)
+    if args and args[0] in command.subcommands:
+        return importlib.import_module(command.subcommands[args[0]].module).cli_main(args[1:])
+    default = importlib.import_module(command.module)
+    if not args:
+        default.build_parser().print_help(sys.stderr)
+        return 2
+    _refuse_unknown_subcommand(args[0], command)
+    return default.cli_main(args)
+
+
+def _refuse_unknown_subcommand(first: str, command: Command) -> None:
+    if first.startswith("-") or first.endswith(".toml") or "/" in first or Path(first).exists():
+        return  # an option, or the default command's config file
+    names = list(command.subcommands)
+    close = difflib.get_close_matches(first, names, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else (
+        f"expected a subcommand ({', '.join(names)}) or a config file, e.g. {command.prog} configs/tiny.toml ...")
+    raise UsageError(f"unknown subcommand {first!r}; {hint} (see {command.prog} --help)")

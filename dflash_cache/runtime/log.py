@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from tqdm import tqdm
+
 from .dist import launcher_env
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -16,7 +18,8 @@ def process_rank() -> int:
 
 
 class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at emit time (test capture swaps it)."""
+    """Writes to whatever ``sys.stderr`` is at emit time (test capture swaps it), through ``tqdm.write``: a
+    progress bar that is being drawn is cleared first and redrawn below the line, never cut by it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -28,6 +31,12 @@ class _StderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; always follow sys.stderr
         pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
 
 
 def setup_logging(level: int | str = logging.INFO, all_ranks: bool = False) -> None:
@@ -44,5 +53,7 @@ def setup_logging(level: int | str = logging.INFO, all_ranks: bool = False) -> N
     handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)
-    for noisy in ("urllib3", "fsspec", "asyncio", "numcodecs", "zarr", "matplotlib", "PIL"):
+    for noisy in ("urllib3", "fsspec", "asyncio", "numcodecs", "zarr", "matplotlib", "PIL", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # huggingface_hub prints through a handler of its own: propagating too would print every message twice
+    logging.getLogger("huggingface_hub").propagate = False

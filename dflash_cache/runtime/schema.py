@@ -15,73 +15,118 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # every field's docstring is its description: docs/config.md is generated from them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class TeacherConfig(Section):
-    # A local HF model directory, a hub id, or a tiny teacher built locally on first use: "builtin:tiny"
-    # (Qwen3), "builtin:tiny-qwen3_5" (hybrid Gated DeltaNet), "builtin:tiny-qwen3_moe", "builtin:tiny-llama".
+    """The target model whose hidden states the drafter learns from (extraction, regeneration, live eval)."""
+
     path: str = "builtin:tiny"
+    """A local HF model directory, a hub id, or a tiny teacher built locally on first use: `builtin:tiny`
+    (Qwen3), `builtin:tiny-qwen3_5` (hybrid Gated DeltaNet), `builtin:tiny-qwen3_moe`, `builtin:tiny-llama`.
+    A hub id is looked up in the local HF cache first; see docs/troubleshooting.md for offline machines."""
     revision: str | None = None
+    """Hub revision (commit or tag) to load; recorded in the cache spec."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the teacher's weights and of the features it writes."""
     trust_remote_code: bool = False
-    device: str = "auto"  # "auto" = cuda:LOCAL_RANK when available, else cpu
-    device_map: str | None = None  # e.g. "auto" to split a big teacher over the visible GPUs
+    """Allow model code from the model repository (only when you ask for it)."""
+    device: str = "auto"
+    """`auto` = `cuda:LOCAL_RANK` when CUDA is available, else `cpu`."""
+    device_map: str | None = None
+    """E.g. `auto` to split a teacher too big for one GPU over this process's GPU group."""
     attn_implementation: str | None = None
-    # The teacher's shapes, for `dflash-train estimate` on a machine without its weights or the hub (the
-    # cache's spec, or the model's config.json when present, takes precedence); extraction checks them.
+    """Passed to `from_pretrained` (e.g. `sdpa`, `flash_attention_2`)."""
     hidden_size: int | None = Field(None, gt=0)
+    """The teacher's hidden size, for `dflash-train estimate` on a machine without its weights or the hub (the
+    cache's spec, or the model's config.json when present, takes precedence); extraction checks it."""
     vocab_size: int | None = Field(None, gt=0)
+    """The teacher's vocabulary size, likewise."""
     num_layers: int | None = Field(None, gt=0)
+    """The teacher's decoder layers, likewise."""
 
 
 class DataConfig(Section):
-    # JSONL / Parquet / saved HF dataset dir, or "builtin:tiny-chat".
+    """The conversations to extract (and to regenerate answers for)."""
+
     path: str = "builtin:tiny-chat"
+    """JSONL / Parquet / saved HF dataset directory (or a directory of those), or `builtin:tiny-chat`;
+    `--data` overrides it."""
     max_length: int = Field(3072, gt=1)
-    min_loss_tokens: int | None = Field(None, ge=1)  # default: 2 * model.block_size
-    skip_bad: bool = False  # malformed lines become counted skips instead of errors
+    """Tokens per sample after templating; longer samples are truncated (counted)."""
+    min_loss_tokens: int | None = Field(None, ge=1)
+    """Samples with fewer loss (assistant) tokens are dropped (counted); unset: 2 x `model.block_size`."""
+    skip_bad: bool = False
+    """Malformed records become counted skips instead of errors (`--skip-bad`)."""
     system_prompt: str | None = None
-    enable_thinking: bool | None = None  # passed to chat templates that take it
+    """System turn added to conversations that have none."""
+    enable_thinking: bool | None = None
+    """Passed to chat templates that take it (Qwen3's thinking switch)."""
 
 
 class RegenerateConfig(Section):
+    """`dflash-extract regenerate`: the teacher answers the prompts itself (in-process or via a server)."""
+
     max_new_tokens: int = Field(512, gt=0)
+    """Longest generated reply (`max_tokens` on an endpoint)."""
     batch_size: int = Field(8, gt=0)
-    temperature: float = Field(0.0, ge=0)  # 0 = greedy
+    """Prompts per `generate` call (left-padded; in-process only)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature; 0 = greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling when temperature > 0."""
     seed: int = 0
-    # A reply ends before the first of these strings (not included), in both the in-process and endpoint paths.
+    """Sampling seed (in-process: per batch; endpoint: per conversation and turn)."""
     stop: list[str] = Field(default_factory=list)
-    # Base URL of an OpenAI-compatible server (vllm serve, SGLang), e.g. "http://host:8000" (a trailing /v1 is
-    # accepted); None: generate in this process with HF generate. The CLI's --endpoint sets it.
+    """A reply ends before the first of these strings (not included), in both the in-process and endpoint
+    paths."""
     endpoint: str | None = None
-    # The served model to request. None: the one of the server's /v1/models whose name is teacher.path (or
-    # ends with the same last path component); an error if none is. Set it to vouch that a model served under
-    # another name is the teacher (CLI: --served-model).
+    """Base URL of an OpenAI-compatible server (vllm serve, SGLang), e.g. `http://host:8000` (a trailing /v1 is
+    accepted); unset: generate in this process with HF generate. The CLI's `--endpoint` sets it."""
     served_model: str | None = None
-    max_concurrency: int = Field(64, gt=0)  # endpoint requests in flight (one per conversation)
-    request_timeout_s: float = Field(600.0, gt=0)  # seconds without a byte from the server before a retry
-    max_retries: int = Field(6, ge=0)  # retries of a request after 429/5xx/timeouts/lost connections
-    retry_backoff_s: float = Field(1.0, gt=0)  # first wait before a retry; doubles each time (capped at 60 s)
-    # stop the run when this many conversations in a row failed (server down or misconfigured)
+    """The served model to request, vouching that a model served under another name is the teacher
+    (`--served-model`); unset: the one of the server's /v1/models whose name is `teacher.path` (or ends with
+    the same last path component), an error if none is."""
+    max_concurrency: int = Field(64, gt=0)
+    """Endpoint requests in flight (one per conversation)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Seconds without a byte from the server before a retry."""
+    max_retries: int = Field(6, ge=0)
+    """Retries of a request after 429/5xx/timeouts/lost connections."""
+    retry_backoff_s: float = Field(1.0, gt=0)
+    """First wait before a retry; doubles each time (capped at 60 s)."""
     max_consecutive_failures: int = Field(50, gt=0)
-    # fsync the output at most this often (and at the end); a killed process never loses written answers,
-    # a machine crash loses at most this many seconds of them
+    """Stop the run when this many conversations in a row failed (server down or misconfigured)."""
     fsync_every_s: float = Field(5.0, ge=0)
-    api_key_env: str | None = None  # environment variable holding the server's API key (sent as Bearer)
-    # extra fields merged into every request body (engine-specific sampling, e.g. {top_k = 20, min_p = 0})
+    """Fsync the output at most this often (and at the end): a killed process never loses written answers,
+    a machine crash loses at most this many seconds of them."""
+    api_key_env: str | None = None
+    """Environment variable holding the server's API key (sent as Bearer)."""
     extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Extra fields merged into every request body (engine-specific sampling, e.g. `{top_k = 20, min_p = 0}`)."""
 
 
 class CacheConfig(Section):
+    """The feature cache's layout (docs/cache.md); part of its spec and fingerprint."""
+
     codec: Literal["bf16-zstd", "bf16-lz4", "bf16-raw", "fp8-e4m3"] = "bf16-zstd"
+    """`bf16-zstd` (lossless, default), `bf16-lz4` (lossless, faster decode, larger), `bf16-raw`, `fp8-e4m3`
+    (lossy, one scale per token per layer)."""
     bucket_edges: list[int] = Field(default_factory=lambda: [256, 512, 1024, 2048])
-    target_layer_ids: list[int] | None = None  # None: num_target_layers spaced from 1 to L-3
+    """Length bucket upper edges (strictly increasing, below `data.max_length`); the last bucket runs to
+    `data.max_length`."""
+    target_layer_ids: list[int] | None = None
+    """Teacher layers whose outputs are captured (layer k = HF `hidden_states[k+1]`); unset:
+    `num_target_layers` spaced uniformly from 1 to L-3."""
     num_target_layers: int = Field(5, gt=0)
+    """Number of teacher layers captured when `target_layer_ids` is not given."""
     store_target_argmax: bool = False
-    chunk_tokens: int = Field(256, gt=0)  # inner chunk length along tokens
-    shard_tokens: int = Field(16384, gt=0)  # tokens per shard file
+    """Also store the teacher's argmax token per position (computes the lm_head)."""
+    chunk_tokens: int = Field(256, gt=0)
+    """Inner chunk length along tokens (the unit of a random read)."""
+    shard_tokens: int = Field(16384, gt=0)
+    """Tokens per shard file; a multiple of `chunk_tokens`."""
 
     @field_validator("bucket_edges")
     @classmethod
@@ -98,73 +143,124 @@ class CacheConfig(Section):
 
 
 class ExtractConfig(Section):
+    """`dflash-extract`: teacher batches, work units and the background writers."""
+
     tokens_per_batch: int = Field(8192, gt=0)
+    """Token budget of one teacher forward (rows x padded length); at least `data.max_length`."""
     max_batch_size: int = Field(64, gt=0)
-    unit_size: int = Field(256, gt=0)  # samples per work unit (resume granularity)
-    max_inflight_bytes: int = Field(2 << 30, gt=0)  # device->host + write queue bound
+    """Most rows in one teacher forward."""
+    unit_size: int = Field(256, gt=0)
+    """Samples per work unit (the resume granularity)."""
+    max_inflight_bytes: int = Field(2 << 30, gt=0)
+    """Bytes of features between the device->host copy and the written part, at most (the teacher waits
+    beyond it)."""
     writer_threads: int = Field(2, gt=0)
+    """Background threads compressing and writing parts."""
     on_nonfinite: Literal["skip", "error"] = "skip"
-    # batch planning: each extra batch costs this fraction of tokens_per_batch (less padding vs fewer batches)
+    """A sample with NaN/Inf features: `skip` (counted) or `error`."""
     batch_overhead: float = Field(0.02, ge=0)
+    """Batch planning: each extra batch costs this fraction of `tokens_per_batch` (less padding vs fewer
+    batches)."""
 
 
 class ModelConfig(Section):
+    """The DFlash drafter (written into the export's config.json)."""
+
     num_hidden_layers: int = Field(5, gt=0)
+    """Drafter decoder layers."""
     block_size: int = Field(16, ge=2)
-    # The drafter's block-filler id. Extraction records it in the cache (this value when set, else the
-    # teacher tokenizer's mask token); training reads the cache's, and a different value here is an error.
+    """B: tokens per block (the anchor + B-1 predictions)."""
     mask_token_id: int | None = Field(None, ge=0)
+    """The drafter's block-filler id. Extraction records it in the cache (this value when set, else the
+    teacher tokenizer's mask token); training reads the cache's, and a different value here is an error."""
     num_attention_heads: int = Field(32, gt=0)
+    """Drafter query heads."""
     num_key_value_heads: int = Field(8, gt=0)
+    """Drafter key/value heads."""
     head_dim: int = Field(128, gt=0)
+    """Per-head dimension."""
     intermediate_size: int = Field(12288, gt=0)
+    """SwiGLU MLP width."""
     rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
     rope_theta: float = 1_000_000.0
+    """RoPE base (absolute positions of context and block)."""
     max_position_embeddings: int = 40960
+    """Written into the exported config."""
     sliding_window: int | None = None
+    """Window of the `sliding_attention` layers."""
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
-    # How sliding_attention layers attend within the draft block: "bidirectional" (the DFlash reference and
-    # vLLM/SGLang) or "causal"; full_attention layers are always bidirectional. Written into the export.
+    """Per layer `full_attention` / `sliding_attention`; unset: all full attention."""
     sliding_within_block: Literal["bidirectional", "causal"] = "bidirectional"
+    """How `sliding_attention` layers attend within the draft block: `bidirectional` (the DFlash reference and
+    vLLM/SGLang) or `causal`; `full_attention` layers are always bidirectional. Written into the export."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
-    # keep only each drafter layer's input for backward and recompute the layer (less memory, ~1/3 more compute)
+    """`flex` (FlexAttention, GPU), `sdpa` (explicit boolean mask), `auto` = flex on CUDA, else sdpa."""
     activation_checkpointing: bool = False
-    init_from: str | None = None  # a released drafter directory (config.json + safetensors)
+    """Keep only each drafter layer's input for backward and recompute the layer (less memory, ~1/3 more
+    compute)."""
+    init_from: str | None = None
+    """A released drafter directory (config.json + safetensors) to start from."""
 
 
 class TrainConfig(Section):
+    """The optimizer, schedule and loss of `dflash-train`."""
+
     seed: int = 0
+    """Initialisation, plan order and anchor sampling."""
     epochs: int = Field(6, gt=0)
+    """Passes over the (non-held-out) cache."""
     max_steps: int | None = Field(None, gt=0)
-    # "adamw": AdamW over every trainable parameter (the reference recipe). "muon": torch.optim.Muon for the
-    # 2-D weight matrices (attention q/k/v/o, MLP, fc) and AdamW (lr, betas, weight_decay) for the rest (norms)
+    """Stop after this many optimizer steps; unset: epochs x batches per epoch (required with
+    `loader.live`)."""
     optimizer: Literal["adamw", "muon"] = "adamw"
-    lr: float = Field(6e-4, gt=0)  # peak AdamW lr (every parameter with adamw; the non-matrix ones with muon)
-    weight_decay: float = Field(0.0, ge=0)  # AdamW's decoupled weight decay
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's betas
-    # peak Muon lr (same warmup + cosine schedule as lr); with muon_adjust_lr = "match_rms_adamw" an update has
-    # about the RMS of an AdamW update at this lr, but Muon's best lr is higher (docs/recipe.md)
+    """`adamw`: AdamW over every trainable parameter (the reference recipe). `muon`: torch.optim.Muon for the
+    2-D weight matrices (attention q/k/v/o, MLP, fc) and AdamW (`lr`, `betas`, `weight_decay`) for the rest
+    (norms); see docs/recipe.md."""
+    lr: float = Field(6e-4, gt=0)
+    """Peak AdamW learning rate (every parameter with `adamw`; the non-matrix ones with `muon`)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
     muon_lr: float = Field(3e-3, gt=0)
-    muon_momentum: float = Field(0.95, ge=0, lt=1)  # Muon's (Nesterov) momentum
-    muon_weight_decay: float = Field(0.0, ge=0)  # Muon's decoupled weight decay
-    muon_ns_steps: int = Field(5, gt=0, lt=100)  # Newton-Schulz iterations orthogonalising each update
-    # per-matrix lr scale: "match_rms_adamw" 0.2*sqrt(max(rows, cols)) (Moonlight), "original" sqrt(max(1, rows/cols))
+    """Peak Muon learning rate (same warmup + cosine schedule as `lr`); with `muon_adjust_lr =
+    "match_rms_adamw"` an update has about the RMS of an AdamW update at this lr, but Muon's best lr is higher
+    (docs/recipe.md)."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon's (Nesterov) momentum."""
+    muon_weight_decay: float = Field(0.0, ge=0)
+    """Muon's decoupled weight decay."""
+    muon_ns_steps: int = Field(5, gt=0, lt=100)
+    """Newton-Schulz iterations orthogonalising each Muon update."""
     muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Per-matrix Muon lr scale: `match_rms_adamw` 0.2*sqrt(max(rows, cols)), `original` sqrt(max(1, rows/cols))."""
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    """Linear warmup as a fraction of the total steps, then cosine decay."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Cosine floor as a fraction of `lr`."""
     grad_clip: float = Field(1.0, gt=0)
+    """Max gradient norm (the logged `train/grad_norm` is before clipping)."""
     grad_accum: int = Field(1, gt=0)
-    num_anchors: int = Field(512, gt=0)  # blocks per document (sample), as in the DFlash recipe
-    # block rows whose full-vocabulary logits exist at once in the loss (forward and backward); bounds its memory
+    """Micro-batches per optimizer step."""
+    num_anchors: int = Field(512, gt=0)
+    """Blocks sampled per document (sample) per step, without replacement, re-drawn every epoch (the DFlash
+    recipe's 512)."""
     logits_chunk_rows: int = Field(2048, gt=0)
-    # weights of the block rows in the loss: "exp_decay" exp(-(k-1)/loss_gamma), weighted mean (the reference
-    # recipe); "dpace" D-PACE weights from the drafter's own detached confidence per row (docs/recipe.md)
+    """Block rows whose full-vocabulary logits exist at once in the loss (forward and backward); bounds its
+    memory."""
     loss_weighting: Literal["exp_decay", "dpace"] = "exp_decay"
-    loss_gamma: float | None = Field(None, gt=0)  # exp_decay only; None: 7 for B=16, 5 for B=10, 4 for B=8
-    dpace_alpha: float = Field(0.5, gt=0, le=1)  # dpace only: confidence smoothing (1-alpha)*q + alpha
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    # refuse to start on a GPU when `dflash-train estimate` predicts a step peak above its memory
+    """Weights of the block rows in the loss: `exp_decay` exp(-(k-1)/`loss_gamma`), weighted mean (the reference
+    recipe); `dpace` D-PACE weights from the drafter's own detached confidence per row (docs/recipe.md)."""
+    loss_gamma: float | None = Field(None, gt=0)
+    """`exp_decay` only: decay of the per-position loss weight exp(-(k-1)/gamma); unset: 7 for B=16, 5 for
+    B=10, 4 for B=8."""
+    dpace_alpha: float = Field(0.5, gt=0, le=1)
+    """`dpace` only: confidence smoothing (1-alpha)*q + alpha."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """`auto`: bf16 autocast on GPU, fp32 on CPU."""
     check_memory: bool = True
+    """Refuse to start on a GPU when `dflash-train estimate` predicts a step peak above its memory."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -175,68 +271,111 @@ class TrainConfig(Section):
 
 
 class LoaderConfig(Section):
-    tokens_per_batch: int = Field(16384, gt=0)  # rows * padded length <= this; a longer sample is an error
-    # block positions (blocks x block_size) per batch, at most; a batch of many short documents holds fewer
-    # documents so that the drafter's activations per step stay bounded (each document: min(train.num_anchors,
-    # length - 1) blocks, an upper bound of its eligible anchors)
+    """The streaming loader of `dflash-train`: batching plan, reader threads, prefetch buffer."""
+
+    tokens_per_batch: int = Field(16384, gt=0)
+    """Rows x padded length per batch, at most; a longer sample is an error."""
     max_block_positions: int = Field(65536, gt=0)
+    """Block positions (blocks x block size) per batch, at most: a batch of many short documents holds fewer
+    documents so that the drafter's activations per step stay bounded (each document counts
+    min(`train.num_anchors`, length - 1) blocks, an upper bound of its eligible anchors)."""
     num_readers: int = Field(2, gt=0)
-    max_buffer_bytes: int = Field(1 << 30, gt=0)  # prefetched batches held in host memory, at most
-    packing: bool = False  # pack several samples per row (doc_ids/position_ids mark documents)
-    pack_row_tokens: int | None = Field(None, gt=0)  # packed row length; None: tokens_per_batch
-    sort_window: int = Field(64, gt=0)  # batches' worth of tokens sorted by length together
+    """Reader threads decoding cache parts (on CPU, torch's compute threads are the cores left over)."""
+    max_buffer_bytes: int = Field(1 << 30, gt=0)
+    """Prefetched batches held in host memory, at most."""
+    packing: bool = False
+    """Pack several samples per row (doc ids / position ids mark documents)."""
+    pack_row_tokens: int | None = Field(None, gt=0)
+    """Packed row length; unset: `tokens_per_batch`."""
+    sort_window: int = Field(64, gt=0)
+    """Batches' worth of tokens sorted by length together."""
     on_corrupt: Literal["error", "skip"] = "error"
-    # follow a cache still being extracted (needs train.max_steps: the run's length cannot be planned from it)
+    """A part failing its checksums: `error` (names it) or `skip` (quarantined, counted, logged)."""
     live: bool = False
-    live_poll_s: float = Field(5.0, gt=0)  # how often live mode looks for the cache and newly committed parts
-    # live mode: give up waiting for the cache to appear, or end an epoch, after this long without a new part
+    """Follow a cache still being extracted (needs `train.max_steps`: the run's length cannot be planned from
+    it); see docs/operations.md."""
+    live_poll_s: float = Field(5.0, gt=0)
+    """How often live mode looks for the cache and newly committed parts."""
     live_timeout_s: float | None = Field(None, gt=0)
-    holdout_fraction: float = Field(0.02, ge=0, lt=1)  # samples (by id hash) kept for evaluation
-    pin_memory: bool = True  # page-locked host batches when a CUDA device is used
+    """Live mode: give up waiting for the cache to appear, or end an epoch, after this long without a new
+    part; unset: wait for the extraction report."""
+    holdout_fraction: float = Field(0.02, ge=0, lt=1)
+    """Samples (by id hash) kept out of training for evaluation."""
+    pin_memory: bool = True
+    """Page-locked host batches when a CUDA device is used."""
 
 
 class CheckpointConfig(Section):
+    """Checkpoints in `RUN/checkpoints/` and the resume rules (docs/operations.md)."""
+
     every_steps: int = Field(1000, gt=0)
-    keep_last: int = Field(3, ge=2)  # >= 2: the newest may still be being written
+    """Save every N optimizer steps (also at the end and on SIGTERM/SIGINT)."""
+    keep_last: int = Field(3, ge=2)
+    """Checkpoints kept; at least 2: the newest may still be being written."""
     save_on_signal: bool = True
-    resume: bool = True  # continue from the latest valid checkpoint in the run dir
-    # resume even if the cache fingerprint differs from the one the checkpoint was trained on
+    """Save a checkpoint when SIGTERM/SIGINT arrives, then exit 128+N."""
+    resume: bool = True
+    """Continue from the latest valid checkpoint in the run dir."""
     ignore_fingerprint_mismatch: bool = False
-    # resume although the config differs from the checkpoint's in a field that changes the result (lr, schedule,
-    # optimizer, model ...): the new values apply from the resumed step on, and the change is logged
+    """Resume even if the cache fingerprint differs from the one the checkpoint was trained on."""
     allow_config_change: bool = False
-    # when the run dir holds checkpoints but none is valid, move them and the metrics to RUN/discarded-<time>/
-    # and start from step 0 (otherwise the run stops and says what it found)
+    """Resume although the config differs from the checkpoint's in a field that changes the result (lr,
+    schedule, optimizer, model ...): the new values apply from the resumed step on, and the change is
+    logged."""
     discard_invalid: bool = False
+    """When the run dir holds checkpoints but none is valid, move them and the metrics to
+    `RUN/discarded-<time>/` and start from step 0 (otherwise the run stops and says what it found)."""
 
 
 class GuardsConfig(Section):
+    """The spike guard: steps with a non-finite or exploding loss / gradient are skipped."""
+
     window: int = Field(128, ge=8)
+    """Trailing window of good steps for the robust (median/MAD) statistics."""
     min_history: int = Field(16, ge=4)
+    """Steps in the window before the spike test is armed."""
     z_threshold: float = Field(6.0, gt=0)
-    # a spike must also be at least min_ratio x the window median: small tail batches have a
-    # naturally larger grad norm (measured up to ~9x the median on the tiny demo), explosions are orders of magnitude
+    """Robust z-score above which a pre-clip grad norm or a loss is a spike."""
     min_ratio: float = Field(10.0, ge=1)
+    """A spike must also be at least `min_ratio` x the window median: small tail batches have a naturally
+    larger grad norm (measured up to ~9x the median on the tiny demo), explosions are orders of magnitude."""
     max_consecutive_skips: int = Field(20, gt=0)
+    """Skips in a row that stop the run (exit code 3)."""
 
 
 class EvalConfig(Section):
-    every_steps: int | None = Field(None, gt=0)  # held-out teacher-forced acceptance during training (eval/*)
+    """Held-out acceptance during training, `dflash-train eval` and the demo's live decoding."""
+
+    every_steps: int | None = Field(None, gt=0)
+    """Held-out teacher-forced acceptance every N steps during training (`eval/*` tags); unset: off."""
     max_blocks: int | None = Field(None, gt=0)
-    live_prompts: int = Field(4, ge=0)  # live decoding prompts, from the evaluated (held-out) samples of the cache
+    """Cap on held-out blocks per evaluation; unset: every eligible anchor."""
+    live_prompts: int = Field(4, ge=0)
+    """Live speculative decoding prompts (`eval --live`, the demo), from the evaluated (held-out) samples of
+    the cache."""
     live_max_new_tokens: int = Field(64, gt=0)
+    """Tokens generated per live prompt."""
 
 
 class MetricsConfig(Section):
-    tensorboard: bool = True  # write TensorBoard event files (metrics.jsonl is always written)
-    smoothing_window: int = Field(50, gt=0)  # steps covered by the *_smooth scalars
+    """What `dflash-train` logs besides `RUN/metrics.jsonl` (the tags: docs/metrics.md)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files (`metrics.jsonl` is always written)."""
+    smoothing_window: int = Field(50, gt=0)
+    """Steps covered by the `*_smooth` scalars (divided by the steps actually covered)."""
     progress_bar: bool = True
-    # also log every scalar to Weights & Biases (pip install 'dflash-pipeline[wandb]'; WANDB_MODE=offline works
-    # without a network); the run id is kept in RUN/wandb_run_id so a resume continues the same W&B run
+    """Show the progress bar (rank 0)."""
     wandb: bool = False
-    wandb_project: str = "dflash"  # W&B project
-    wandb_entity: str | None = None  # W&B team or user; None: the account's default entity
-    wandb_run_name: str | None = None  # W&B display name; None: the run dir's name
+    """Also log every scalar to Weights & Biases (`pip install 'dflash-pipeline[wandb]'`; `WANDB_MODE=offline`
+    works without a network); the run id is kept in `RUN/wandb_run_id` so a resume continues the same W&B
+    run."""
+    wandb_project: str = "dflash"
+    """W&B project."""
+    wandb_entity: str | None = None
+    """W&B team or user; unset: the account's default entity."""
+    wandb_run_name: str | None = None
+    """W&B display name; unset: the run dir's name."""
 
 
 class PipelineConfig(Section):
