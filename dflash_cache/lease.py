@@ -226,7 +226,7 @@ class PartLease:
 def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> PartLease:
     """Take part ``key`` for writing. Raises :class:`PartCommittedError` when it is committed and
     :class:`LeaseHeldError` when a live process holds it."""
-    holder = None
+    holder = contender = None
     for _ in range(8):
         if storage.exists(f"{key}/{COMMIT}"):
             raise PartCommittedError(f"part {key} is already committed; a part is written once")
@@ -239,7 +239,11 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
         _keeper.reserve(lease.token)
         if not storage.create_exclusive(lease.file, lease.record()):
             _keeper.unreserve(lease.token)
-            continue  # another process created this generation first: look again
+            # another writer created this generation first: it holds the part unless it already gave it back
+            _, contender = newest(storage, key)
+            if contender is not None and contender.alive(timeout_s):
+                raise LeaseHeldError(key, contender)
+            continue
         _keeper.add(lease)
         if storage.exists(f"{key}/{COMMIT}"):  # committed by the previous holder just before we looked
             lease.release()
@@ -247,8 +251,8 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
         if holder is not None:
             log.info("took over part %s from %s (gone)", key, holder.describe())
         return lease
-    if holder is not None:
-        raise LeaseHeldError(key, holder)
+    if contender is not None or holder is not None:  # other writers kept taking (and giving back) the part
+        raise LeaseHeldError(key, contender if contender is not None else holder)
     raise CacheError(f"part {key}: other processes kept taking its lease while this one tried; rerun the command")
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from dflash_cache.runtime.schema import PipelineConfig
 from train.build import lr_lambda
-from train.checkpoint import list_checkpoints
+from train.checkpoint import list_checkpoints, read_checkpoint
 from train.cli import main
 from train.metrics import read_metrics
 from train.rundir import Holder, RunDirError, RunDirLock
@@ -153,29 +153,42 @@ def test_every_config_field_has_a_resume_rule():
     assert resume_rule("metrics.wandb") == resume_rule("eval.every_steps") == "free"
 
 
-def test_resume_with_a_changed_config(cache, tmp_path, capsys, caplog):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_with_a_changed_config(cache, tmp_path, capsys, caplog, optimizer):
     run = tmp_path / "run"
-    assert _train(cache, run, "train.max_steps=3", "checkpoint.every_steps=3", capsys=capsys)[0] == 0
+    opt = f"train.optimizer={optimizer}"
+    assert _train(cache, run, opt, "train.max_steps=3", "checkpoint.every_steps=3", capsys=capsys)[0] == 0
     # lr and schedule: refused, naming the fields, until explicitly allowed
-    rc, err = _train(cache, run, "train.max_steps=6", "train.lr=1e-3", capsys=capsys)
+    rc, err = _train(cache, run, opt, "train.max_steps=6", "train.lr=1e-3", capsys=capsys)
     assert rc == 2
     assert "train.lr: 0.003 -> 0.001" in err and "train.max_steps: 3 -> 6" in err
     assert "checkpoint.allow_config_change=true" in err
     # the data plan: refused even with the override
-    rc, err = _train(cache, run, "train.max_steps=6", "loader.tokens_per_batch=1024",
+    rc, err = _train(cache, run, opt, "train.max_steps=6", "loader.tokens_per_batch=1024",
                      "checkpoint.allow_config_change=true", capsys=capsys)
     assert rc == 2 and "loader.tokens_per_batch: 512 -> 1024" in err and "new --run-dir" in err
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # nothing was touched by the refusals
-    # allowed: the new lr applies from the resumed step on (the loaded optimizer state would carry the old one)
-    rc, err = _train(cache, run, "train.max_steps=6", "train.lr=1e-3", "eval.every_steps=50",
-                     "checkpoint.allow_config_change=true", capsys=capsys, caplog=caplog)
+    # allowed: the new lrs apply from the resumed step on (the loaded optimizer state would carry the old ones)
+    rc, err = _train(cache, run, opt, "train.max_steps=6", "train.lr=1e-3", "train.muon_lr=1e-2",
+                     "eval.every_steps=50", "checkpoint.allow_config_change=true", capsys=capsys, caplog=caplog)
     assert rc == 0, err
-    assert "changed config (checkpoint.allow_config_change): train.lr: 0.003 -> 0.001" in err
+    assert "changed config (checkpoint.allow_config_change):" in err and "train.lr: 0.003 -> 0.001" in err
     assert "do not change the result:" in err and "eval.every_steps: 100 -> 50" in err
-    recs = {r["step"]: r for r in read_metrics(run)}
     warmup = 1  # ceil(0.04 * 6)
+    # train/lr is the first parameter group's: Muon's with train.optimizer = "muon", else AdamW's
+    logged_peak = 1e-2 if optimizer == "muon" else 1e-3
+    recs = {r["step"]: r for r in read_metrics(run)}
     for step in (4, 5, 6):  # lr of the step-th update under the new peak and the new 6-step schedule
-        assert recs[step]["train/lr"] == pytest.approx(1e-3 * lr_lambda(step - 1, 6, warmup, 0.0), rel=1e-12)
+        assert recs[step]["train/lr"] == pytest.approx(logged_peak * lr_lambda(step - 1, 6, warmup, 0.0), rel=1e-12)
+    # every optimizer part took its own new peak: the schedule's base lr of each group, in the final checkpoint
+    final = read_checkpoint(list_checkpoints(run)[-1][1])
+    assert final.step == 6
+    saved = final.state["optimizer"]
+    parts = {"adamw": saved} if optimizer == "adamw" else saved
+    assert list(parts) == {"adamw": ["adamw"], "muon": ["muon", "adamw"]}[optimizer]
+    peaks = {"adamw": 1e-3, "muon": 1e-2}
+    expected = [peaks[name] for name, part in parts.items() for _ in part["param_groups"]]
+    assert final.state["scheduler"]["base_lrs"] == pytest.approx(expected, rel=1e-12)
 
 
 def _flip_a_byte(path: Path) -> None:
