@@ -302,8 +302,8 @@ def main() -> None:
 def report(res: dict) -> None:
     s = res["setup"]
     print(f"{s['n_samples']} samples of 200-3000 tokens, {s['n_tokens']} tokens, width {s['feature_dim']}, "
-          f"{s['raw_bf16_bytes'] / 1e9:.2f} GB raw bf16, 1 thread; crc32c: {s['crc32c']}, blosc direct: "
-          f"{s['blosc_direct']}; load average {s['load_avg_start']:.1f} -> {s['load_avg_end']:.1f} "
+          f"{s['raw_bf16_bytes'] / 1e9:.2f} GB raw bf16, 1 thread; crc32c: {s['crc32c']}; "
+          f"load average {s['load_avg_start']:.1f} -> {s['load_avg_end']:.1f} "
           f"on {s['cpu_count']} cores")
     print("GB/s of raw bf16 (useful) bytes, best of 3 (cold: 1); seq = a whole part; rand = random whole samples;"
           " fresh = new tensors, into = a reused buffer")
