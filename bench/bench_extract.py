@@ -55,8 +55,7 @@ def write_data(path: Path, n: int, seed: int = 0) -> Path:
 def bare_forward_s(cfg, layer_ids: list[int]) -> tuple[float, int, int]:
     """Time the capture forward alone over the batches the extraction plans (same planner)."""
     from extract.data import load_records
-    from extract.run import min_loss_tokens, template_options
-    from extract.template import prepare_samples
+    from extract.run import sample_rules
 
     model, tok = load_teacher(cfg.teacher)
     data = load_records(cfg.data.path)
@@ -64,7 +63,7 @@ def bare_forward_s(cfg, layer_ids: list[int]) -> tuple[float, int, int]:
     u = cfg.extract.unit_size
     for start in range(0, data.n_total, u):
         recs = [r for r in data.records if start <= r.sample_id < start + u]
-        samples, _ = prepare_samples(recs, tok, template_options(cfg), cfg.data.max_length, min_loss_tokens(cfg))
+        samples, _ = sample_rules(cfg).prepare(recs, tok)
         for group in plan_batches(samples, cfg.extract.tokens_per_batch, cfg.extract.max_batch_size,
                                   cfg.extract.batch_overhead):
             b = collate(group, tok.pad_token_id)

@@ -13,7 +13,7 @@ from dflash_cache.runtime.schema import PipelineConfig
 
 from .data import load_records
 from .progress import human_bytes
-from .run import load_run_config, min_loss_tokens, template_options
+from .run import load_run_config, sample_rules
 from .teacher import (
     kernel_hint,
     load_teacher_config,
@@ -22,7 +22,7 @@ from .teacher import (
     resolve_layer_ids,
     resolve_mask_token,
 )
-from .template import TokenizeStats, check_chat_template, prepare_samples
+from .template import TokenizeStats, check_chat_template
 
 # Stored bytes per raw bf16 byte of features (measured on activations with outlier channels);
 # fp8 adds one fp32 scale per token per layer.
@@ -80,8 +80,7 @@ def estimate(cfg: PipelineConfig) -> Estimate:
     data = load_records(cfg.data.path, cfg.data.skip_bad)
     if any(not r.pretokenized for r in data.records):
         check_chat_template(tokenizer)
-    samples, stats = prepare_samples(data.records, tokenizer, template_options(cfg), cfg.data.max_length,
-                                     min_loss_tokens(cfg), skip_bad=cfg.data.skip_bad)
+    samples, stats = sample_rules(cfg).prepare(data.records, tokenizer)
     stats.n_bad += len(data.bad)
     n_buckets = len(cfg.cache.bucket_edges) + 1
     bs, bt = [0] * n_buckets, [0] * n_buckets

@@ -36,7 +36,7 @@ from dflash_cache.runtime.config import config_to_dict, load_config
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.log import process_rank
-from dflash_cache.runtime.schema import PipelineConfig
+from dflash_cache.runtime.schema import ExtractConfig, PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
 from dflash_cache.storage import storage_error
 
@@ -54,11 +54,11 @@ from .teacher import (
     teacher_name,
 )
 from .template import (
+    SampleRules,
     TemplateOptions,
     TokenizedSample,
     TokenizeStats,
     check_chat_template,
-    prepare_samples,
     tokenizer_hash,
 )
 from .writing import BackgroundWriter, RowJob
@@ -123,12 +123,14 @@ class ExtractReport:
 # -- assembly ------------------------------------------------------------------------------------------
 
 
-def min_loss_tokens(cfg: PipelineConfig) -> int:
-    return cfg.data.min_loss_tokens or 2 * cfg.model.block_size
-
-
 def template_options(cfg: PipelineConfig) -> TemplateOptions:
     return TemplateOptions(cfg.data.system_prompt, cfg.data.enable_thinking)
+
+
+def sample_rules(cfg: PipelineConfig) -> SampleRules:
+    """The `data` section's tokenization rules, with the loss-token floor resolved from `model.block_size`."""
+    min_loss = cfg.data.min_loss_tokens or 2 * cfg.model.block_size
+    return SampleRules(template_options(cfg), cfg.data.max_length, min_loss, cfg.data.skip_bad)
 
 
 def build_spec(cfg: PipelineConfig, model: Any, tokenizer: Any, layer_ids: list[int], dataset_fp: str) -> CacheSpec:
@@ -266,17 +268,10 @@ class PreparedUnit:
         return list(self.meta["unit_buckets"])
 
 
-def tokenize_records(cfg: PipelineConfig, tokenizer: Any, vocab: int, records: list[Record],
-                     skip_bad: bool) -> tuple[list[TokenizedSample], TokenizeStats]:
-    d = cfg.data
-    return prepare_samples(records, tokenizer, template_options(cfg), d.max_length, min_loss_tokens(cfg),
-                           skip_bad=skip_bad, vocab_size=vocab)
-
-
-def check_records(cfg: PipelineConfig, tokenizer: Any, vocab: int, records: list[Record]) -> None:
+def check_records(rules: SampleRules, tokenizer: Any, vocab: int, records: list[Record]) -> None:
     """Tokenize every record once and refuse the lot when any is bad, listing the first few."""
     t0 = time.perf_counter()
-    _, stats = tokenize_records(cfg, tokenizer, vocab, records, skip_bad=True)
+    _, stats = rules.prepare(records, tokenizer, vocab, skip_bad=True)
     log.info("checked %d records in %.1f s before creating the cache", len(records), time.perf_counter() - t0)
     if stats.n_bad:
         shown = "\n  ".join(stats.bad_examples[:5])
@@ -288,9 +283,11 @@ def check_records(cfg: PipelineConfig, tokenizer: Any, vocab: int, records: list
 class UnitRunner:
     """Tokenizes, leases, batches, runs the teacher on and writes one work unit at a time."""
 
-    def __init__(self, cfg: PipelineConfig, model: Any, tokenizer: Any, cache: Any, layer_ids: list[int],
-                 writer: BackgroundWriter, progress: ExtractProgress, report: ExtractReport):
-        self.cfg, self.model, self.tokenizer, self.cache = cfg, model, tokenizer, cache
+    def __init__(self, extract_cfg: ExtractConfig, rules: SampleRules, store_target_argmax: bool, model: Any,
+                 tokenizer: Any, cache: Any, layer_ids: list[int], writer: BackgroundWriter,
+                 progress: ExtractProgress, report: ExtractReport):
+        self.extract_cfg, self.rules, self.store_target_argmax = extract_cfg, rules, store_target_argmax
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.layer_ids, self.writer, self.progress, self.report = layer_ids, writer, progress, report
         self.rank, self.world = 0, 1
         self.device = teacher_device(model)
@@ -300,14 +297,14 @@ class UnitRunner:
         self.holders: dict[int, Holder] = {}  # units put aside: who holds them
 
     def tokenize(self, records: list[Record]) -> tuple[list[TokenizedSample], TokenizeStats]:
-        return tokenize_records(self.cfg, self.tokenizer, self.vocab, records, self.cfg.data.skip_bad)
+        return self.rules.prepare(records, self.tokenizer, self.vocab)
 
     def prepare(self, unit: int, records: list[Record]) -> PreparedUnit:
         samples, stats = self.tokenize(records)
         buckets = {s.sample_id: self.cache.bucket_of(s.length) for s in samples}
         unit_buckets = sorted(set(buckets.values()))
         meta = {"unit": unit, "unit_parts": len(unit_buckets), "unit_buckets": unit_buckets,
-                "unit_size": self.cfg.extract.unit_size, "unit_stats": stats.as_dict(), "rank": self.rank,
+                "unit_size": self.extract_cfg.unit_size, "unit_stats": stats.as_dict(), "rank": self.rank,
                 "world_size": self.world}
         return PreparedUnit(unit, samples, stats, buckets, meta, len(records))
 
@@ -356,8 +353,8 @@ class UnitRunner:
     def run_unit(self, prep: PreparedUnit, leases: dict[int, PartLease], done_buckets: set[int]) -> None:
         for b, lease in leases.items():
             self.writer.adopt(b, prep.part, lease)
-        for group in plan_batches(prep.samples, self.cfg.extract.tokens_per_batch, self.cfg.extract.max_batch_size,
-                                  self.cfg.extract.batch_overhead):
+        x = self.extract_cfg
+        for group in plan_batches(prep.samples, x.tokens_per_batch, x.max_batch_size, x.batch_overhead):
             todo = [s for s in group if prep.buckets[s.sample_id] not in done_buckets]
             if todo:  # batches are planned over the whole unit so a partial redo computes identical features
                 self.run_batch(collate(group, self.pad_id), prep.buckets, done_buckets, prep.part, prep.meta)
@@ -371,7 +368,7 @@ class UnitRunner:
         ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, T]
         mask = batch.attention_mask.to(self.device, non_blocking=True)  # [B, T]
         t0 = time.perf_counter()
-        if self.cfg.cache.store_target_argmax:
+        if self.store_target_argmax:
             feats, argmax = capture_features_and_argmax(self.model, ids, mask, self.layer_ids)
         else:
             feats, argmax = capture_features(self.model, ids, mask, self.layer_ids)[0], None
@@ -437,7 +434,7 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
     own = [u for u in range(n_units) if u % ctx.world_size == ctx.rank]
     vocab = int(model.get_input_embeddings().weight.shape[0])
     check = None if cfg.data.skip_bad else (
-        lambda: check_records(cfg, tokenizer, vocab, [r for u in own for r in by_unit.get(u, [])]))
+        lambda: check_records(sample_rules(cfg), tokenizer, vocab, [r for u in own for r in by_unit.get(u, [])]))
     spec = build_spec(cfg, model, tokenizer, layer_ids, data.fingerprint)
     cache = open_output(ctx, out_url, spec, cfg, model, check)
     complete = complete_units(cache)
@@ -452,7 +449,8 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
                               cfg.extract.on_nonfinite, on_commit=lambda info: bar.add(
                                   committed_samples=info.n_samples,
                                   bytes=sum(int(a.get("stored_bytes", 0)) for a in info.arrays.values())))
-    runner = UnitRunner(cfg, model, tokenizer, cache, layer_ids, writer, bar, report)
+    runner = UnitRunner(cfg.extract, sample_rules(cfg), cfg.cache.store_target_argmax, model, tokenizer, cache,
+                        layer_ids, writer, bar, report)
     runner.rank, runner.world = ctx.rank, ctx.world_size
     t_loop = time.perf_counter()
     try:

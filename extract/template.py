@@ -204,3 +204,19 @@ def prepare_samples(records: list[Record], tokenizer: Any, options: TemplateOpti
         stats.n_tokens += s.length
         stats.n_loss_tokens += s.n_loss
     return kept, stats
+
+
+@dataclass(frozen=True)
+class SampleRules:
+    """How records become training samples (the `data` section and `model.block_size` resolved once)."""
+
+    template: TemplateOptions
+    max_length: int  # longer samples are truncated (and counted)
+    min_loss_tokens: int  # samples with fewer loss tokens are dropped (and counted)
+    skip_bad: bool  # a record that cannot be tokenized is counted and skipped instead of an error
+
+    def prepare(self, records: list[Record], tokenizer: Any, vocab_size: int | None = None,
+                skip_bad: bool | None = None) -> tuple[list[TokenizedSample], TokenizeStats]:
+        """:func:`prepare_samples` under these rules (``skip_bad`` overrides the configured one)."""
+        return prepare_samples(records, tokenizer, self.template, self.max_length, self.min_loss_tokens,
+                               skip_bad=self.skip_bad if skip_bad is None else skip_bad, vocab_size=vocab_size)
