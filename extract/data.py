@@ -189,29 +189,33 @@ def _read_arrow(path: Path) -> Any:
         raise _unreadable(path, "Arrow", err) from None
 
 
-def _hf_dataset_files(path: Path) -> list[Path]:
-    """Arrow files of a ``Dataset.save_to_disk`` directory (the ``train`` split of a DatasetDict)."""
-    if (path / "dataset_dict.json").is_file():
-        try:
-            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        except (OSError, ValueError, AttributeError) as err:
-            raise DataError(f"{path / 'dataset_dict.json'}: not readable ({err}); re-save the dataset") from None
-        if "train" not in splits:
-            raise DataError(f"{path}: a DatasetDict without a 'train' split (found {splits}); point at one split")
-        path = path / "train"
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _load_saved_dataset(path: Path) -> Any:
+    """A ``save_to_disk`` directory through ``datasets.load_from_disk``: the Dataset, or a DatasetDict's
+    ``train`` split."""
     try:
-        state = json.loads((path / "state.json").read_text())
-        return [path / f["filename"] for f in state.get("_data_files", [])]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise DataError(f"{path / 'state.json'}: not a readable saved-dataset state ({err}); re-save the dataset "
-                        "with Dataset.save_to_disk") from None
+        import datasets
+    except ImportError:
+        raise DataError(f"{path} is a saved Hugging Face dataset (save_to_disk); reading it needs the datasets "
+                        "package: pip install 'dflash-pipeline[hf]' (or pip install datasets)") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError, KeyError, TypeError, FileNotFoundError) as err:
+        raise DataError(f"{path}: not a readable saved dataset ({type(err).__name__}: {err}); re-save it with "
+                        "Dataset.save_to_disk") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{path}: a DatasetDict without a 'train' split (found {sorted(ds)}); point at one split")
+        ds = ds["train"]
+    return ds
 
 
 def _data_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
-    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
-        return _hf_dataset_files(path)
     files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet", ".arrow"))
     if not files:
         raise DataError(f"{path}: directory holds no .jsonl/.parquet/.arrow files and is not a saved HF dataset")
@@ -257,11 +261,17 @@ def load_records(path: str, skip_bad: bool = False) -> LoadedData:
     root = Path(path)
     if not root.exists():
         raise DataError(f"data.path {path}: no such file or directory")
-    files = _data_files(root)
+    if _is_saved_dataset(root):
+        ds = _load_saved_dataset(root)
+        files = [Path(f["filename"]) for f in ds.cache_files]
+        readers = [(root, lambda: ((f"{root}#{i}", row) for i, row in enumerate(ds)))]
+    else:
+        files = _data_files(root)
+        readers = [(file, lambda file=file: _iter_file(file)) for file in files]
     out = LoadedData([], 0, fingerprint=_file_fingerprint(files))
-    for file in files:
+    for _, read in readers:
         try:
-            items = _iter_file(file)
+            items = read()
         except UnreadableFileError as err:
             if not skip_bad:
                 raise

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,6 +15,7 @@ from dflash_cache.errors import ConfigError, DataError
 from extract.data import load_records
 from extract.template import TemplateOptions, prepare_samples, tokenize_conversation
 
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 CONV = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Explain rivers."},
@@ -124,3 +127,39 @@ def test_builtin_set_is_deterministic():
     assert a.fingerprint == b.fingerprint and len(a.records) == 320
     assert len({r.messages[-1]["content"] for r in a.records}) > 300
     assert len(load_records("builtin:tiny-chat?n=10").records) == 10
+
+
+def test_saved_hf_dataset_through_load_from_disk(tmp_path, tiny_teacher_dir, capsys, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"messages": CONV[1:3]}, {"messages": CONV}, {"messages": [{"role": "wizard", "content": "x"}]}]
+    ds = datasets.Dataset.from_list(rows)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "no-train"))
+
+    # the last row is bad: an error naming the dataset and its row, or a counted skip
+    loaded = load_records(str(tmp_path / "ds"), skip_bad=True)
+    assert [len(r.messages) for r in loaded.records] == [2, 5] and loaded.n_total == 3
+    assert [r.source for r in loaded.records] == [f"{tmp_path / 'ds'}#0", f"{tmp_path / 'ds'}#1"]
+    with pytest.raises(DataError, match=rf"{tmp_path / 'ds'}#2: .*unknown role 'wizard'"):
+        load_records(str(tmp_path / "ds"))
+    from_dict = load_records(str(tmp_path / "dd"), skip_bad=True)  # a DatasetDict: its train split
+    assert [r.messages for r in from_dict.records] == [r.messages for r in loaded.records]
+    with pytest.raises(DataError, match=r"without a 'train' split \(found \['test'\]\)"):
+        load_records(str(tmp_path / "no-train"))
+    # the fingerprint follows the content
+    datasets.Dataset.from_list(rows[:2]).save_to_disk(str(tmp_path / "ds2"))
+    assert load_records(str(tmp_path / "ds2")).fingerprint != loaded.fingerprint
+
+    # through the real entry point
+    from extract.cli import main
+
+    args = [str(CONFIG), "--set", f"teacher.path={tiny_teacher_dir}", "--set", "data.skip_bad=true",
+            "--set", "data.min_loss_tokens=1", "--data", str(tmp_path / "ds")]
+    assert main(["estimate", *args]) == 0
+    assert "kept 2 samples" in capsys.readouterr().out
+
+    # without the datasets package: what to install
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError, match=r"saved Hugging Face dataset .*pip install datasets"):
+        load_records(str(tmp_path / "ds"))
