@@ -293,3 +293,28 @@ def test_cache_read_rows_into_destinations_is_bitwise(tmp_path):
         assert a.sample_id == b.sample_id
         assert torch.equal(a.features.view(torch.int16), o.view(torch.int16))
         assert torch.equal(a.features.view(torch.int16), b.features.view(torch.int16))
+
+
+@pytest.mark.parametrize("codec", ["bf16-zstd", "bf16-lz4", "fp8-e4m3"])
+def test_partial_chunk_ranges_decode_the_same_by_blocks_and_whole(codec, monkeypatch):
+    """A partial range of a chunk decodes through blosc_getitem (only the blosc blocks it overlaps) or, as
+    the fallback, by decoding the whole chunk: both give exactly the stored bytes, for ranges within one
+    blosc block, across block boundaries, and at the chunk's ends."""
+    if codecs.BLOSC_GETITEM is None:
+        pytest.skip("this numcodecs build does not export blosc_getitem")
+    dtype = np.uint16 if codecs.CODEC_INFO[codec].stored_dtype == "uint16" else np.uint8
+    rng = np.random.default_rng(0)
+    size = np.dtype(dtype).itemsize
+    # 1.5 MiB: more than one 1 MiB blosc block
+    chunk = rng.integers(0, 1 << (10 if size == 2 else 6), size=(96, 16384 // size), dtype=dtype)
+    raw = codecs.encode_chunk(chunk, codecs.FEATURE_BLOSC[codec])
+    flat = chunk.reshape(-1).view(np.uint8)
+    ranges = [(0, 16 * size), (flat.nbytes - 64 * size, 64 * size), ((1 << 20) - 10 * size, 20 * size),
+              (3 * 8192 * size, 40 * 8192 * size), (size, flat.nbytes - 2 * size)]
+    decoder = codecs.ChunkDecoder(blosc=True, crc=True)
+    for getitem in (codecs.BLOSC_GETITEM, None):
+        monkeypatch.setattr(codecs, "BLOSC_GETITEM", getitem)
+        for start, n in ranges:
+            dest = np.empty(n, np.uint8)
+            decoder.decode_range_into(raw, dest, start, flat.nbytes)
+            assert np.array_equal(dest, flat[start:start + n]), (getitem, start, n)

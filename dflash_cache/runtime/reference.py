@@ -23,6 +23,7 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from .schema import PipelineConfig, Section
+from .switches import SWITCHES
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -118,6 +119,13 @@ def render() -> str:
             shown = "*unset*" if default is None else f"`{_cell(toml_value(default))}`"
             out.append(f"| `{name}.{key}` | {_cell(type_text(field))} | {shown} | {_cell(field.description or '')} |")
         out.append("")
+    out.append("## Environment switches\n")
+    out.append("Not config: the few `DFLASH_*` variables for where a config does not reach or must not "
+               "(`dflash_cache/runtime/switches.py`, the only place that reads them).\n")
+    out.append("| variable | meaning |")
+    out.append("|---|---|")
+    out.extend(f"| `{name}` | {_cell(text)} |" for name, text in SWITCHES.items())
+    out.append("")
     return "\n".join(out)
 
 

@@ -3,7 +3,8 @@
 Settings a user chooses live in the config (TOML + ``--set``). The few switches below are for where a
 config does not reach (the built-in teacher's location) or must not (test hooks and benchmark-only
 speed switches). Code reads them only through :func:`env_switch`, so an unregistered name is a bug,
-and ``docs/environment.md`` is checked against this table by the test suite.
+and the table at the end of ``docs/config.md`` is generated from this one (``make docs``; the test suite
+fails when they differ).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ SWITCHES: dict[str, str] = {
                           "power loss. For benchmarks and scratch caches only.",
     "DFLASH_CACHE_ENCODE_THREADS": "Threads that compress the inner chunks of a shard when writing "
                                    "(default: min(4, CPU count)).",
+    "DFLASH_CACHE_BLOSC_GETITEM": "`0` decodes a partial chunk range by decoding the whole chunk through "
+                                  "numcodecs' public API instead of blosc's `blosc_getitem` (for comparison "
+                                  "benchmarks, or a numcodecs build where the latter misbehaves).",
     "DFLASH_CACHE_CRC": "`google` forces the `google-crc32c` checksum library even when the faster "
                         "`crc32c` package (the `fast` extra) is installed. Both compute the same values.",
     "DFLASH_TEST_CKPT_WRITE_DELAY_S": "Test hook: seconds the checkpoint writer sleeps after each file, to "
