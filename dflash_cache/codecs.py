@@ -215,9 +215,10 @@ class _BloscGetitem:
     """``blosc_getitem(src, start item, n items, dest) -> bytes or < 0`` of the blosc library inside numcodecs,
     through ctypes (the GIL is released during the call). Kept, against the rule of public APIs only, for a
     measured reason: with the public whole-chunk decode for partial ranges instead, the streaming loader
-    delivered 0.72x the tokens/s on bf16-zstd (1 reader: 19.3k [18.5-19.5k] vs 26.8k [24.0-26.8k] tok/s;
-    2 readers 0.74x; bench/bench_loader.py, 3 interleaved rounds, load average 1.5-1.9), because a sample's
-    first and last chunks are then decoded whole (1 MiB blosc blocks, chunks of many MiB)."""
+    delivers 0.74x the tokens/s on bf16-zstd (1 reader: 19.0k [17.5-19.0k] vs 25.6k [24.8-26.3k] tok/s;
+    2 readers: 40.2k vs 54.4k; bench/bench_loader.py with DFLASH_CACHE_BLOSC_GETITEM=0 vs unset, 3
+    interleaved rounds, load average 0.8-1.9; docs/performance.md), because a sample's first and last chunks
+    are then decoded whole (1 MiB blosc blocks, chunks of many MiB)."""
 
     def __init__(self, path: str):
         fn = ctypes.CDLL(path).blosc_getitem
