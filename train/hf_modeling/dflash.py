@@ -31,6 +31,7 @@ crops the block off again (``spec_generate`` does).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,12 @@ def sample(logits: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
     B, L, V = logits.shape
     probs = torch.softmax(logits.reshape(-1, V).float() / temperature, dim=-1)
     return torch.multinomial(probs, num_samples=1).view(B, L)
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    """The name under which a transformers model takes and returns its KV cache: ``cache`` in recent
+    transformers versions, ``past_key_values`` before (and deprecated after)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _crop(cache: Any, length: int) -> None:
@@ -299,9 +306,10 @@ class DFlashDraftModel(PreTrainedModel):
         output_ids[:, :P] = input_ids
         positions = torch.arange(max_length + B, device=device).unsqueeze(0)  # [1, P+N+B]
 
+        kv = _cache_keyword(target)
         out = target(input_ids=input_ids, position_ids=positions[:, :P], use_cache=True,
                      output_hidden_states=True, logits_to_keep=1)
-        target_cache = out.past_key_values
+        target_cache = getattr(out, kv)
         output_ids[:, P] = sample(out.logits[:, -1:], temperature)[:, 0]
         ctx = extract_context_feature(out.hidden_states, self.target_layer_ids)  # [1, P, n*H]
         draft_cache = DynamicCache()
@@ -316,7 +324,7 @@ class DFlashDraftModel(PreTrainedModel):
             _crop(draft_cache, start)  # keep the context only
             drafts = head(hidden[:, 1:].to(head.weight.device, head.weight.dtype))  # [1, B-1, V]
             block[:, 1:] = sample(drafts).to(device)  # drafts are always the argmax
-            out = target(input_ids=block, position_ids=positions[:, start:start + B], past_key_values=target_cache,
+            out = target(input_ids=block, position_ids=positions[:, start:start + B], **{kv: target_cache},
                          use_cache=True, output_hidden_states=True)
             posterior = sample(out.logits, temperature)  # [1, B]: the target's token after each row
             accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum())
