@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tiny.toml", help="the preset the demo ran")
     args = ap.parse_args()
     demo = Path(args.demo)
+    if not (demo / "cache").is_dir() or not (demo / "run").is_dir():
+        raise SystemExit(f"{demo} holds no finished demo (cache/ and run/): run `make demo` first, or pass --demo")
     cfg = load_config(args.config)
     budget_cpu_threads("cpu", cfg.loader.num_readers)
     cache = open_cache(str(demo / "cache"))
