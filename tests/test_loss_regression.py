@@ -22,9 +22,11 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # as a script too
+from fixtures.trainer import small_cache, train_argv  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "loss_regression.json"
-CONFIG = ROOT / "configs" / "tiny.toml"
 STEPS = 8
 RTOL = 1e-4
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "metrics.tensorboard=false",
@@ -40,10 +42,7 @@ KEYS = ("train/loss", "train/grad_norm")
 
 
 def build_cache(url: str) -> None:
-    from dflash_cache.synthetic import make_synthetic_cache
-
-    make_synthetic_cache(url, n_samples=48, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),
-                         vocab_size=512, max_length=256, median_length=64, seed=0)
+    small_cache(url, n_samples=48, seed=0)
 
 
 def run_recipe(cache: str, run_dir: Path, overrides: list[str]) -> dict[str, list[float]]:
@@ -56,8 +55,7 @@ def run_recipe(cache: str, run_dir: Path, overrides: list[str]) -> dict[str, lis
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        argv = [str(CONFIG), "--cache", cache, "--run-dir", str(run_dir)]
-        rc = main(argv + [a for o in [*BASE, *overrides] for a in ("--set", o)])
+        rc = main(train_argv(BASE, cache, run_dir, *overrides))
     finally:
         torch.set_num_threads(threads)
     assert rc == 0, f"dflash-train exited {rc}"

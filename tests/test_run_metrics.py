@@ -4,7 +4,6 @@ measures training only, no step lost to a kill during evaluation, and Weights & 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import struct
@@ -12,16 +11,16 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
+from fixtures.trainer import ROOT, run_train, small_cache, train_cmd, train_env
 
 from dflash_cache.runtime.schema import MetricsConfig
 from train.metrics import MetricLogger, read_metrics
 from train.report import analyze, format_report
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "tiny.toml"
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.tokens_per_batch=512",
         "train.num_anchors=16", "loader.holdout_fraction=0.2"]
 EVAL_DELAY_S = 1.5
@@ -29,30 +28,12 @@ EVAL_DELAY_S = 1.5
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
-    from dflash_cache.synthetic import make_synthetic_cache
-
-    url = str(tmp_path_factory.mktemp("cache") / "cache")
-    make_synthetic_cache(url, n_samples=64, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),
-                         vocab_size=512, max_length=256, median_length=64, seed=0)
-    return url
+    return small_cache(str(tmp_path_factory.mktemp("cache") / "cache"))
 
 
-def _cmd(cache: str, run: Path, *overrides: str) -> list[str]:
-    sets = [a for o in [*BASE, *overrides] for a in ("--set", o)]
-    return [sys.executable, "-m", "train.cli", str(CONFIG), "--cache", cache, "--run-dir", str(run), *sets]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _run(cache: str, run: Path, *overrides: str, expect: int = 0, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(cache, run, *overrides), cwd=ROOT, env=_env(**env), capture_output=True, text=True,
-                          timeout=180)
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    return proc
+_cmd = partial(train_cmd, BASE)
+_env = train_env
+_run = partial(run_train, BASE, timeout=180)
 
 
 def _tb_scalars(run: Path) -> dict[str, list[int]]:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures.trainer import ROOT, small_cache, train_argv
 
 from dflash_cache.runtime.schema import PipelineConfig
 from train.build import lr_lambda
@@ -22,24 +23,17 @@ from train.metrics import read_metrics
 from train.rundir import Holder, RunDirError, RunDirLock
 from train.state import RESUME_RULES, resume_rule
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "tiny.toml"
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",
         "loader.tokens_per_batch=512", "train.num_anchors=16", "metrics.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
-    from dflash_cache.synthetic import make_synthetic_cache
-
-    url = str(tmp_path_factory.mktemp("cache") / "cache")
-    make_synthetic_cache(url, n_samples=48, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),
-                         vocab_size=512, max_length=256, median_length=64, seed=0)
-    return url
+    return small_cache(str(tmp_path_factory.mktemp("cache") / "cache"), n_samples=48)
 
 
 def _argv(cache: str, run: Path, *overrides: str) -> list[str]:
-    return [str(CONFIG), "--cache", cache, "--run-dir", str(run), *[a for o in [*BASE, *overrides] for a in ("--set", o)]]
+    return train_argv(BASE, cache, run, *overrides)
 
 
 def _train(cache: str, run: Path, *overrides: str, capsys, caplog=None) -> tuple[int, str]:

@@ -16,17 +16,17 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from fixtures.trainer import ROOT, run_train, small_cache, train_cmd, train_env
 
 from train.checkpoint import find_latest, list_checkpoints, read_checkpoint, validate_checkpoint
 from train.metrics import read_metrics
 from train.model import read_weights_config
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "tiny.toml"
 # small batches keep each step (and so each subprocess run) cheap on 2 shared CPU cores
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",
         "loader.tokens_per_batch=512", "train.num_anchors=16"]
@@ -34,30 +34,12 @@ BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
-    from dflash_cache.synthetic import make_synthetic_cache
-
-    url = str(tmp_path_factory.mktemp("cache") / "cache")
-    make_synthetic_cache(url, n_samples=64, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),
-                         vocab_size=512, max_length=256, median_length=64, seed=0)
-    return url
+    return small_cache(str(tmp_path_factory.mktemp("cache") / "cache"))
 
 
-def _cmd(cache: str, run: Path, *overrides: str) -> list[str]:
-    sets = [a for o in [*BASE, *overrides] for a in ("--set", o)]
-    return [sys.executable, "-m", "train.cli", str(CONFIG), "--cache", cache, "--run-dir", str(run), *sets]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _run(cache: str, run: Path, *overrides: str, expect: int = 0, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(cache, run, *overrides), cwd=ROOT, env=_env(**env), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    return proc
+_cmd = partial(train_cmd, BASE)
+_env = train_env
+_run = partial(run_train, BASE, timeout=120)
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -235,11 +217,7 @@ def test_sigterm_saves_and_rerun_resumes(cache, tmp_path):
 
 
 def test_resume_on_another_cache_is_refused_unless_overridden(cache, tmp_path):
-    from dflash_cache.synthetic import make_synthetic_cache
-
-    other = str(tmp_path / "other")
-    make_synthetic_cache(other, n_samples=64, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),
-                         vocab_size=512, max_length=256, median_length=64, seed=0, codec="bf16-lz4")
+    other = small_cache(str(tmp_path / "other"), codec="bf16-lz4")
     run = tmp_path / "run"
     _run(cache, run, "train.max_steps=2", "checkpoint.every_steps=2")
     proc = _run(other, run, "train.max_steps=4", expect=2)
