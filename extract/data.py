@@ -264,12 +264,12 @@ def load_records(path: str, skip_bad: bool = False) -> LoadedData:
     if _is_saved_dataset(root):
         ds = _load_saved_dataset(root)
         files = [Path(f["filename"]) for f in ds.cache_files]
-        readers = [(root, lambda: ((f"{root}#{i}", row) for i, row in enumerate(ds)))]
+        readers = [lambda: _iter_table(ds.with_format("arrow")[:], root)]  # one Arrow table, rows named root#i
     else:
         files = _data_files(root)
-        readers = [(file, lambda file=file: _iter_file(file)) for file in files]
+        readers = [lambda file=file: _iter_file(file) for file in files]
     out = LoadedData([], 0, fingerprint=_file_fingerprint(files))
-    for _, read in readers:
+    for read in readers:
         try:
             items = read()
         except UnreadableFileError as err:
