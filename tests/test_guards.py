@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
+import pytest
+from fixtures.trainer import run_train, small_cache
+
 from dflash_cache.runtime.schema import GuardsConfig
 from train.guards import SpikeGuard, robust_z
+from train.metrics import read_metrics
 
 
 def _warm(guard: SpikeGuard, n: int = 32, seed: int = 0) -> None:
@@ -69,3 +74,164 @@ def test_robust_z_and_min_ratio():
     _warm(g)
     assert not g.check(2.0, 4.0).skip
     assert g.check(2.0, 6.0).skip
+
+
+# --- synthetic norm/loss series through the guard: level shifts, isolated spikes, divergence -----------------
+
+
+def _run_series(cfg: GuardsConfig, series: list[tuple[float, float]]) -> tuple[list[int], int | None, SpikeGuard]:
+    """Feed (loss, grad_norm) per step (numbered from 1) as train_step does: ``(skipped steps, stop step, guard)``."""
+    g = SpikeGuard(cfg)
+    skipped = []
+    for step, (loss, gn) in enumerate(series, start=1):
+        v = g.check(loss, gn)
+        g.update(v, loss, gn)
+        if v.skip:
+            skipped.append(step)
+        if g.should_stop:
+            return skipped, step, g
+    return skipped, None, g
+
+
+def _healthy(n: int, shift_at: int | None = None, factor: float = 1.0, seed: int = 0,
+             flat: bool = False) -> list[tuple[float, float]]:
+    """A falling loss (13.5 -> ~8; ``flat``: 5) with batch noise; the grad norm ~1 (10% noise), x``factor``
+    from ``shift_at``."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(1, n + 1):
+        level = factor if shift_at is not None and step >= shift_at else 1.0
+        loss = (5.0 if flat else 8.0 + 5.5 * math.exp(-step / 60)) + rng.gauss(0, 0.05)
+        out.append((loss, level * (1.0 + rng.gauss(0, 0.1))))
+    return out
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["falling_loss", "flat_loss"])
+@pytest.mark.parametrize("factor", [10.0, 20.0, 1000.0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_level_shift_of_a_healthy_run_costs_at_most_rebaseline_after_skips(factor, seed, flat):
+    # the demo's failure: the norm moved from ~1 to 15-22 at step 25 while the loss kept falling
+    cfg = GuardsConfig()
+    skipped, stop, g = _run_series(cfg, _healthy(200, shift_at=25, factor=factor, seed=seed, flat=flat))
+    assert stop is None, f"stopped at step {stop} after skipping {skipped}"
+    assert 1 <= len(skipped) <= cfg.rebaseline_after and all(s >= 25 for s in skipped)
+    assert max(skipped) < 25 + 4 * cfg.rebaseline_after  # and training continues unskipped after it
+    # x10 sits at guards.min_ratio: some steps pass and the window may catch up without a re-baseline
+    assert g.rebaselines == 1 if factor > cfg.min_ratio else g.rebaselines <= 1
+
+
+def test_isolated_spikes_are_exactly_the_skipped_steps():
+    series = _healthy(150, seed=3)
+    spikes = [40, 41, 90, 130]  # two adjacent adversarial batches, then two lone ones
+    for s in spikes:
+        series[s - 1] = (series[s - 1][0], 50.0 * series[s - 1][1])
+    skipped, stop, g = _run_series(GuardsConfig(), series)
+    assert skipped == spikes and stop is None and g.rebaselines == 0
+
+
+def test_isolated_spikes_after_a_level_shift_are_still_skipped():
+    cfg = GuardsConfig()
+    series = _healthy(200, shift_at=25, factor=15.0, seed=4)
+    spikes = [80, 120, 160]
+    for s in spikes:
+        series[s - 1] = (series[s - 1][0], 50.0 * series[s - 1][1])
+    skipped, stop, g = _run_series(cfg, series)
+    shift_skips = [s for s in skipped if s < 80]
+    assert stop is None and len(shift_skips) <= cfg.rebaseline_after
+    assert [s for s in skipped if s >= 80] == spikes and g.rebaselines == 1
+
+
+def _diverge_from(series: list[tuple[float, float]], at: int, rate: float) -> list[tuple[float, float]]:
+    """From step ``at`` on, the norm and the loss both grow by ``rate`` per step (a run blowing up)."""
+    out = list(series)
+    for step in range(at, len(series) + 1):
+        k = step - at + 1
+        loss, gn = series[step - 1]
+        out[step - 1] = (loss * (1 + 0.02 * k), gn * rate ** k)
+    return out
+
+
+@pytest.mark.parametrize("rate", [1.15, 1.5, 3.0])
+def test_divergence_after_a_level_shift_stops_within_a_bounded_number_of_steps(rate):
+    cfg = GuardsConfig()
+    series = _diverge_from(_healthy(300, shift_at=25, factor=15.0, seed=5), at=100, rate=rate)
+    skipped, stop, g = _run_series(cfg, series)
+    assert stop is not None and 100 <= stop <= 100 + 40, (stop, skipped)
+    assert g.consecutive_skips == cfg.max_consecutive_skips
+    assert g.last_refusal and "rising" in g.last_refusal
+
+
+def test_jump_with_rising_loss_is_not_accepted_as_a_level_shift():
+    cfg = GuardsConfig()
+    series = _healthy(100, seed=6)
+    for step in range(40, 101):  # norm x20 and the loss climbing back up (~2% a step): not a healthy shift
+        loss, gn = series[step - 1]
+        series[step - 1] = (loss + 0.25 * (step - 39), 20.0 * gn)
+    skipped, stop, g = _run_series(cfg, series)
+    assert stop == 40 + cfg.max_consecutive_skips - 1 and skipped == list(range(40, stop + 1))
+    assert "loss is rising" in g.last_refusal and g.rebaselines == 0
+
+
+def test_nonfinite_stream_stops_and_is_never_rebaselined():
+    cfg = GuardsConfig()
+    series = _healthy(60, seed=7)
+    series[30:] = [(math.nan, 1.0)] * 30
+    skipped, stop, g = _run_series(cfg, series)
+    assert stop == 30 + cfg.max_consecutive_skips and g.rebaselines == 0
+
+
+def test_rebaseline_zero_restores_the_strict_guard():
+    cfg = GuardsConfig(rebaseline_after=0)
+    skipped, stop, _ = _run_series(cfg, _healthy(200, shift_at=25, factor=20.0))
+    assert stop == 25 + cfg.max_consecutive_skips - 1
+
+
+def test_state_round_trip_mid_level_shift_gives_same_decisions():
+    cfg = GuardsConfig()
+    series = _healthy(120, shift_at=25, factor=20.0, seed=8)
+    a, b = SpikeGuard(cfg), SpikeGuard(cfg)
+    decisions_a, decisions_b = [], []
+    for step, (loss, gn) in enumerate(series, start=1):
+        if step == 29:  # four spikes into the shift: the checkpoint carries them
+            b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        for g, out in ((a, decisions_a), (b, decisions_b)):
+            if g is b and step < 29:
+                continue
+            v = g.check(loss, gn)
+            g.update(v, loss, gn)
+            out.append(v)
+    assert decisions_a[28:] == decisions_b and a.rebaselines == b.rebaselines == 1
+
+
+# --- through dflash-train: a lasting jump of the gradient norm is trained through; a stop says what to do ---
+
+BASE = ["model.mask_token_id=511", "train.max_steps=30", "train.num_anchors=16", "guards.min_history=8",
+        "metrics.tensorboard=false", "metrics.progress_bar=false"]
+JUMP = json.dumps({"grad_scale_from": 14, "grad_scale": 40.0})  # the norm x40 from step 14, the loss untouched
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    return small_cache(str(tmp_path_factory.mktemp("cache") / "cache"))
+
+
+def test_trainer_accepts_a_level_shift_of_the_grad_norm(cache, tmp_path):
+    run = tmp_path / "run"
+    proc = run_train(BASE, cache, run, "checkpoint.every_steps=100", DFLASH_TEST_FAULTS=JUMP)
+    recs = {r["step"]: r for r in read_metrics(run)}
+    skipped = [s for s, r in recs.items() if r["train/skipped"]]
+    assert 1 <= len(skipped) <= GuardsConfig().rebaseline_after and min(skipped) == 14, skipped
+    assert max(recs) == 30 and recs[30]["train/guard_rebaselines"] == 1
+    assert "accepted as a level shift" in proc.stderr and "not a level shift yet" in proc.stderr
+    assert recs[30]["train/grad_norm_limit"] > 40 * recs[10]["train/grad_norm_limit"] / GuardsConfig().min_ratio
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_stop_message_names_the_optimizers_lr_and_no_resume_without_a_checkpoint(cache, tmp_path, optimizer):
+    run = tmp_path / "run"
+    proc = run_train(BASE, cache, run, "train.max_steps=40", f"train.optimizer={optimizer}", "checkpoint.every_steps=100",
+                     "guards.rebaseline_after=0", expect=3, DFLASH_TEST_FAULTS=JUMP)
+    err = proc.stderr
+    assert "20 consecutive steps were skipped" in err and "no checkpoint was written yet" in err
+    assert "resume" not in err.split("consecutive steps were skipped")[1]
+    assert ("train.muon_lr" in err) == (optimizer == "muon") and "train.lr" in err

@@ -13,6 +13,7 @@ Exit codes: 0 done; 2 usage/config/data errors; 3 too many consecutive skipped s
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from collections.abc import Iterator, Sequence
@@ -155,7 +156,9 @@ def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed) -> Trai
             metrics.log(step, record)  # before the slow work below: a kill during it loses no step
             _update_progress(progress, res, record)
             if res.verdict.skip:
-                _log_skip(step, res, micro)
+                _log_skip(step, res, micro, guard)
+            elif res.verdict.rebaseline:
+                _log_rebaseline(step, res, guard)
             stop_signal = signals.agreed(d)  # read once: a later signal counts next step
             with timer.excluded():  # timed as eval/seconds and ckpt/blocking_ms, not as training
                 if heldout is not None and step % cfg.eval.every_steps == 0 and not stop_signal:
@@ -164,7 +167,7 @@ def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed) -> Trai
                     metrics.log(step, save(step), kind="save")
             _log_commits(metrics, ckpt, step)
             if guard.should_stop:
-                _stop_on_skips(step, guard, ckpt, run.path)
+                _stop_on_skips(step, guard, ckpt, run.path, cfg.train.optimizer)
             if stop_signal:
                 stopped_by = signal.Signals(stop_signal).name
                 break
@@ -220,6 +223,7 @@ def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: Sp
         "train/skipped_total": guard.total_skips,
         "train/loss_z": res.verdict.loss_z,
         "train/grad_norm_z": res.verdict.grad_z,
+        "train/guard_rebaselines": guard.rebaselines,
         "train/n_tokens": n_tokens,
         "train/n_blocks": res.metrics["n_blocks"],
         "train/padding_fraction": n_padded / max(1, n_tokens + n_padded),
@@ -240,27 +244,48 @@ def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: Sp
         rec["perf/queue_depth"] = stats.queue_items
         rec["perf/queue_mb"] = stats.queue_bytes / 2**20
         rec["perf/loader_wait_ms"] = stats.data_wait_s * 1e3
+    if math.isfinite(res.verdict.grad_limit):  # once the guard is armed
+        rec["train/grad_norm_limit"] = res.verdict.grad_limit
     if res.verdict.skip:
         rec["train/skip_reason"] = res.verdict.reason
         rec["train/skipped_sample_ids"] = [int(i) for b in micro for i in b.sample_ids.tolist()]
     return rec
 
 
-def _log_skip(step: int, res: StepResult, micro: Sequence[Batch]) -> None:
+def _log_skip(step: int, res: StepResult, micro: Sequence[Batch], guard: SpikeGuard) -> None:
     ids = [int(i) for b in micro for i in b.sample_ids.tolist()]
-    log.warning("step %d skipped (%s): loss %.4g, pre-clip grad norm %.4g, bucket %d, sample ids %s",
-                step, res.verdict.reason, res.loss, res.grad_norm, micro[-1].bucket, ids)
+    log.warning("step %d skipped (%s): loss %.4g, pre-clip grad norm %.4g (limit %.4g), bucket %d, sample ids %s",
+                step, res.verdict.reason, res.loss, res.grad_norm, res.verdict.grad_limit, micro[-1].bucket, ids)
+    if res.verdict.reason == "grad_norm_spike" and guard.last_refusal:
+        log.warning("step %d: not a level shift yet: %s", step, guard.last_refusal)
 
 
-def _stop_on_skips(step: int, guard: SpikeGuard, ckpt: Checkpointer, run_dir: Path) -> None:
+def _log_rebaseline(step: int, res: StepResult, guard: SpikeGuard) -> None:
+    log.warning("step %d: the pre-clip grad norm has stayed at a new level (%.4g, limit was %.4g) while the loss "
+                "did not rise: accepted as a level shift, the guard's window restarts there (re-baseline %d)",
+                step, res.grad_norm, res.verdict.grad_limit, guard.rebaselines)
+
+
+def _stop_on_skips(step: int, guard: SpikeGuard, ckpt: Checkpointer, run_dir: Path, optimizer: str) -> None:
     ckpt.wait()
     last = find_latest(run_dir)
-    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    lr = "train.muon_lr (Muon's matrices) or train.lr" if optimizer == "muon" else "train.lr"
+    if last:
+        where = (f"the last good checkpoint is {last}; rerun the same command to resume from it (with a changed "
+                 "setting, add --set checkpoint.allow_config_change=true)")
+    else:
+        where = ("no checkpoint was written yet: rerunning starts over from step 0 (the metrics so far are moved "
+                 "aside)")
+    if guard.last_refusal:
+        what = f"the gradient norm jumped and was not accepted as a level shift because {guard.last_refusal}: " \
+               f"this looks like a divergence. Lower {lr}, or check the data of the listed sample ids"
+    else:
+        what = (f"check the data of the listed sample ids, or lower {lr}; if the run was healthy, raise "
+                "guards.max_consecutive_skips or guards.min_ratio")
     raise TooManySkipsError(
         f"{guard.consecutive_skips} consecutive steps were skipped by the guards (up to step {step}; "
-        f"see train/skip_reason in {run_dir / 'metrics.jsonl'} or run `dflash-train report {run_dir}`); "
-        f"{where}. Check the data of the listed sample ids, raise guards.max_consecutive_skips / "
-        "guards.z_threshold, or lower train.lr (a changed lr resumes with --set checkpoint.allow_config_change=true)."
+        f"see train/skip_reason in {run_dir / 'metrics.jsonl'} or run `dflash-train report {run_dir}`). "
+        f"{what}. {where}."
     )
 
 

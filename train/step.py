@@ -33,11 +33,16 @@ class FaultPlan:
     """Test and drill hook (never set in production): the loss of each step in ``nan_steps`` becomes NaN,
     of each step in ``spike_steps`` is multiplied by ``spike_scale``, before backward, on the real code path.
 
+    From step ``grad_scale_from`` on, the gradient (not the logged loss) is multiplied by ``grad_scale``: a
+    lasting level shift of the gradient norm that a scale-invariant optimizer (AdamW, Muon) trains through.
+
     Set through ``DFLASH_TEST_FAULTS='{"nan_steps": [5], "spike_steps": [9], "spike_scale": 1e6}'``."""
 
     nan_steps: frozenset[int] = field(default_factory=frozenset)
     spike_steps: frozenset[int] = field(default_factory=frozenset)
     spike_scale: float = 1e6
+    grad_scale_from: int | None = None
+    grad_scale: float = 1.0
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -48,11 +53,17 @@ class FaultPlan:
             spec = json.loads(raw)
             plan = cls(frozenset(int(s) for s in spec.get("nan_steps", [])),
                        frozenset(int(s) for s in spec.get("spike_steps", [])),
-                       float(spec.get("spike_scale", 1e6)))
+                       float(spec.get("spike_scale", 1e6)),
+                       None if spec.get("grad_scale_from") is None else int(spec["grad_scale_from"]),
+                       float(spec.get("grad_scale", 1.0)))
         except (ValueError, TypeError, AttributeError) as err:
             raise ConfigError(f"{FAULTS_ENV}={raw!r}: expected a JSON object with nan_steps / spike_steps lists "
                               f"and an optional spike_scale ({err})") from None
         return plan
+
+    def backward_scale(self, step: int) -> float:
+        """The gradient multiplier of ``step`` (1.0 unless a level shift is injected)."""
+        return self.grad_scale if self.grad_scale_from is not None and step >= self.grad_scale_from else 1.0
 
     def scale(self, step: int) -> float:
         """The loss multiplier of ``step``: NaN, ``spike_scale`` or 1.0."""
@@ -103,7 +114,7 @@ def train_step(
             with autocast_context(train_cfg, device):
                 loss, metrics = loss_module(batch)
             loss = loss.float() * scale  # []; scale is 1.0 unless a fault is injected on this step
-            (loss / n_micro).backward()
+            (loss * faults.backward_scale(step) / n_micro).backward()
         loss_sum += loss.detach().float()
         acc.add(batch.bucket, loss.detach().float(), metrics)
     # pre-clip total norm; identical on every rank since DDP has averaged the gradients

@@ -341,6 +341,18 @@ class GuardsConfig(Section):
     larger grad norm (measured up to ~9x the median on the tiny demo), explosions are orders of magnitude."""
     max_consecutive_skips: int = Field(20, gt=0)
     """Skips in a row that stop the run (exit code 3)."""
+    rebaseline_after: int = Field(8, ge=0)
+    """Grad-norm spikes among the last 4x this many steps after which the next spike is judged as a level
+    shift of the norm (healthy early training moves it 10-20x): accepted, and the window restarted at the
+    new level, when neither the norm nor the loss is rising (docs/operations.md#guards); 0: never. Keep it
+    below `max_consecutive_skips`, or a level shift stops the run before it can be accepted."""
+    rebaseline_max_rise: float = Field(2.0, ge=1)
+    """A level shift is refused while the later half of its spikes has a median norm above this many times
+    the earlier half's (the norm is still climbing)."""
+    rebaseline_max_loss_z: float = Field(2.0)
+    """A level shift is refused when the median loss of the later half of its spikes is more than this many
+    robust sigmas (batch-to-batch noise) above the median loss of the `rebaseline_after` accepted steps before
+    the first spike (the loss is rising)."""
 
 
 class EvalConfig(Section):
