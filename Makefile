@@ -26,8 +26,8 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest
 
-demo: venv
-	$(PY) -m train.demo --out runs/demo
+demo: venv  # make demo ARGS="--set train.seed=1 --keep": extra arguments of python -m train.demo
+	$(PY) -m train.demo --out runs/demo $(ARGS)
 
 RUN ?= runs/demo/run
 tensorboard: venv  # make tensorboard RUN=runs/NAME

@@ -98,3 +98,12 @@ def test_printed_commands_work_in_a_fresh_shell(demo, capsys):
     dry = subprocess.run(["make", "-n", "-C", str(ROOT), "report", "tensorboard", "RUN=runs/x"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert ".venv/bin/dflash-train report runs/x" in dry.stdout and ".venv/bin/tensorboard --logdir runs/x" in dry.stdout
+
+
+def test_make_demo_passes_args_to_the_demo():
+    # `make demo ARGS="--set …"`: the guard's stop message can be acted on without leaving make
+    env = dict(os.environ)
+    dry = subprocess.run(["make", "-n", "-C", str(ROOT), "demo", "ARGS=--set guards.min_ratio=20 --keep"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "-m train.demo --out runs/demo --set guards.min_ratio=20 --keep" in dry.stdout

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from train.metrics import read_metrics
 from train.report import analyze, cli_main, format_report, loss_ticks, report_figure
 
@@ -87,7 +89,19 @@ def test_report_on_a_run_with_injected_spike_and_nan(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
     fig = report_figure(read_metrics(run, kind=None), analyze(read_metrics(run, kind=None)), title="my-run")
-    ax1, ax2 = fig.axes
+    ax1, ax2, ax3 = fig.axes
+    # the grad norm with the guard's limit: the cause of a skip or a stop is visible
+    assert [t.get_text() for t in ax3.get_legend().get_texts()] == [
+        "pre-clip grad norm", "guard limit (above: spike)", "skipped step", "checkpoint save"]
+    train = read_metrics(run)
+    norm, limit = ax3.get_lines()[:2]
+    logged = [float(r["train/grad_norm"]) for r in train]  # step 7's NaN is logged as "nan"
+    assert np.array_equal(norm.get_ydata(), logged, equal_nan=True)
+    limits = [(r["step"], r["train/grad_norm_limit"]) for r in train if "train/grad_norm_limit" in r]
+    assert list(limit.get_xdata()) == [s for s, _ in limits] and list(limit.get_ydata()) == [v for _, v in limits]
+    assert limits and limits[0][0] == 5  # armed once guards.min_history (4) steps were accepted
+    spike = next(r for r in train if r["step"] == 12)
+    assert spike["train/grad_norm"] > spike["train/grad_norm_limit"]
     assert fig._suptitle.get_text() == "my-run"
     legend1 = [t.get_text() for t in ax1.get_legend().get_texts()]
     legend2 = [t.get_text() for t in ax2.get_legend().get_texts()]

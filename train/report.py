@@ -5,8 +5,9 @@ step, bucket and grad norm; steps the guards skipped and why; gaps and duplicate
 sequence; checkpoint saves with their blocking and background write times; held-out evaluations;
 where the wall time went (training steps, evaluation, checkpoint blocking); whether spikes coincide
 with saves, epoch boundaries or particular buckets; and loader starvation (data wait, queue depth
-trend). With ``--png`` one figure: loss and acceptance length (training and held-out) over steps with
-spikes, skips and checkpoint saves marked.
+trend). With ``--png`` one figure: loss, acceptance length (training and held-out), and the pre-clip
+gradient norm with the guard's limit over steps, with spikes, skips, re-baselines and checkpoint saves
+marked.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def report_figure(all_records: list[dict[str, Any]], rep: RunReport, title: str 
 
     records = _of_kind(all_records, "train")
     steps = [int(r["step"]) for r in records]
-    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5))
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, sharex=True, figsize=(11, 9))
     if title:
         fig.suptitle(title)
     ax1.plot(steps, [_num(r.get("train/loss")) for r in records], lw=0.8, label="loss")
@@ -283,7 +284,8 @@ def report_figure(all_records: list[dict[str, Any]], rep: RunReport, title: str 
     if rep.evals:
         ax2.plot([s for s, _ in rep.evals], [v for _, v in rep.evals], color="tab:purple", marker="o", ms=4, lw=1.2,
                  label="acceptance length (held-out eval)")
-    for ax in (ax1, ax2):
+    _plot_grad_norm(ax3, records)
+    for ax in (ax1, ax2, ax3):
         for i, k in enumerate(rep.skips):
             ax.axvline(k.step, color="orange", lw=1.0, alpha=0.8, label="skipped step" if i == 0 else None)
         for i, (s, _) in enumerate(rep.saves):
@@ -291,9 +293,31 @@ def report_figure(all_records: list[dict[str, Any]], rep: RunReport, title: str 
         ax.legend(loc="upper right", fontsize=8)
     ax1.set_ylabel("loss")
     ax2.set_ylabel("acceptance length")
-    ax2.set_xlabel("optimizer step")
+    ax3.set_xlabel("optimizer step")
     fig.tight_layout()
     return fig
+
+
+def _plot_grad_norm(ax: Any, records: list[dict[str, Any]]) -> None:
+    """Pre-clip grad norm with the guard's limit (a step above it is a spike) and its re-baselines."""
+    steps = [int(r["step"]) for r in records]
+    ax.plot(steps, [_num(r.get("train/grad_norm")) for r in records], lw=0.8, color="tab:blue",
+            label="pre-clip grad norm")
+    limit = [(int(r["step"]), _num(r["train/grad_norm_limit"])) for r in records if "train/grad_norm_limit" in r]
+    if limit:
+        ax.plot([s for s, _ in limit], [v for _, v in limit], lw=1.0, ls="--", color="tab:red",
+                label="guard limit (above: spike)")
+    prev = 0
+    first = True
+    for r in records:  # the steps where the guard accepted a level shift and restarted its window
+        n = int(_num(r.get("train/guard_rebaselines", prev)) or 0)
+        if n > prev:
+            ax.axvline(int(r["step"]), color="tab:red", lw=1.2, label="guard re-baselined" if first else None)
+            first = False
+        prev = n
+    if any(math.isfinite(_num(r.get("train/grad_norm"))) and _num(r.get("train/grad_norm")) > 0 for r in records):
+        ax.set_yscale("log")
+    ax.set_ylabel("grad norm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Summarise a run from RUN/metrics.jsonl: loss spikes with their step, bucket and grad norm, steps the "
         "guards skipped and why, gaps in the step sequence, checkpoint saves, held-out evaluations, where the "
         "wall time went, and loader starvation.",
-        "With --png it also draws the loss and acceptance length over steps with spikes, skips and saves marked.")
+        "With --png it also draws the loss, acceptance length and grad norm (with the guard's limit) over steps, "
+        "with spikes, skips and saves marked.")
     p.add_argument("run_dir", help="a run directory written by dflash-train")
     p.add_argument("--png", help="also write a figure to this file")
     p.add_argument("--window", type=int, default=64, help="trailing window (steps) for spike z-scores")
