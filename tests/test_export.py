@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -179,3 +180,16 @@ def test_export_refuses_to_overwrite(tmp_path):
         cli_main([str(src), "--out", str(tmp_path / "out")])
     cli_main([str(src), "--out", str(tmp_path / "out"), "--overwrite"])
     assert not (tmp_path / "out" / "x").exists()
+
+
+def test_exported_files_share_one_mode_readable_by_other_users(tmp_path):
+    # safetensors creates the weights 0600: a server running as another user could read config.json only
+    model = tiny_drafter(seed=7)
+    _save_run(tmp_path / "run", model, steps=(3,))
+    old = os.umask(0o022)
+    try:
+        assert cli_main([str(_export_run(tmp_path / "run", tmp_path / "fp32")), "--out", str(tmp_path / "e")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "e").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes

@@ -45,19 +45,20 @@ def build_cache(url: str) -> None:
     small_cache(url, n_samples=48, seed=0)
 
 
-def run_recipe(cache: str, run_dir: Path, overrides: list[str]) -> dict[str, list[float]]:
-    """Train ``STEPS`` steps through ``dflash-train`` in this process; each key's per-step values."""
+def run_recipe(cache: str, run_dir: Path, overrides: list[str], threads: int = 1) -> dict[str, list[float]]:
+    """Train ``STEPS`` steps through ``dflash-train`` in this process with ``threads`` intra-op threads; each
+    key's per-step values."""
     import torch
 
     from train.cli import main
     from train.metrics import read_metrics
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         rc = main(train_argv(BASE, cache, run_dir, *overrides))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     assert rc == 0, f"dflash-train exited {rc}"
     recs = [r for r in read_metrics(run_dir) if "train/loss" in r]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))

@@ -201,6 +201,9 @@ def export_drafter(state: dict[str, Tensor], cfg: DFlashConfig, out: str | Path,
     holder.to_empty(device="cpu")
     holder.load_state_dict(state)
     save_drafter_weights(holder, tmp / "model.safetensors", dtype=_DTYPES[dtype])
+    # safetensors creates its file 0600; a server running as another user must read the weights like the
+    # config: the same mode as config.json (0666 less the umask)
+    os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
