@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,3 +234,45 @@ def test_spec_generate_stops_after_the_first_stop_token(tmp_path, teacher, nth):
     first = ids.shape[1] + int((full[ids.shape[1]:] == stop).nonzero()[0, 0])
     got = draft.spec_generate(model, ids, 20, [stop], 0.0)
     assert torch.equal(got[0], full[:first + 1])
+
+
+def _doc_snippet(heading: str) -> str:
+    """The first ```python block after ``heading`` in docs/serving.md."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    rest = text[text.index(heading):]
+    return rest[rest.index("```python\n") + len("```python\n"):rest.index("\n```", rest.index("```python\n"))]
+
+
+def test_the_serving_doc_snippet_runs_as_written_on_the_tiny_teacher(tmp_path, teacher, tiny_teacher_dir, capsys):
+    # docs/serving.md's transformers snippet, only its paths and device swapped for the demo's tiny teacher
+    # (built by `make demo` into runs/demo/teacher's place: extract.tiny.build_tiny_teacher); the rest verbatim,
+    # apply_chat_template(..., return_tensors="pt") returning a BatchEncoding included
+    model, tokenizer = teacher
+    export_dir = _export(_teacher_drafter(model), tmp_path / "e")
+    code = _doc_snippet("## transformers")
+    for old, new in (('"drafters/qwen3-8b-dflash"', repr(str(export_dir))), ('"Qwen/Qwen3-8B"', repr(str(tiny_teacher_dir))),
+                     ('"cuda:0"', '"cpu"'), ("max_new_tokens=2048", "max_new_tokens=24")):
+        assert old in code, f"docs/serving.md's snippet no longer contains {old}: update this test"
+        code = code.replace(old, new)
+    ns: dict = {}
+    exec(compile(code, "docs/serving.md", "exec"), ns)  # noqa: S102 - the documented snippet itself
+    ids = ns["input_ids"]["input_ids"]
+    want = _greedy(model, ids, 24, eos=tokenizer.eos_token_id)
+    assert torch.equal(ns["output"][0], want[0][:ns["output"].shape[1]])
+    assert capsys.readouterr().out.strip() == tokenizer.decode(ns["output"][0]).strip()
+
+
+def test_spec_generate_rejects_a_prompt_it_cannot_read(tmp_path, teacher):
+    model, _ = teacher
+    draft = _load(_export(_teacher_drafter(model), tmp_path / "e"))
+    with pytest.raises(TypeError, match="tensor of token ids"):
+        draft.spec_generate(model, [[1, 2, 3]], 4)
+
+
+def test_a_stop_token_first_counts_one_cycle_like_eval_live(tmp_path, teacher):
+    model, tokenizer = teacher
+    draft = _load(_export(_teacher_drafter(model), tmp_path / "e"))
+    ids = _prompts(tokenizer, 1)[0]
+    first = int(_greedy(model, ids, 1, eos=model.config.vocab_size)[0, ids.shape[1]])
+    got = draft.spec_generate(model, ids, 20, [first], 0.0, return_stats=True)
+    assert got.output_ids.shape[1] == ids.shape[1] + 1 and got.acceptance_lengths == [1] and got.tau == 1.0

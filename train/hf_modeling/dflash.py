@@ -67,6 +67,17 @@ def sample(logits: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
     return torch.multinomial(probs, num_samples=1).view(B, L)
 
 
+def _prompt_ids(input_ids: Any) -> torch.Tensor:
+    """The ``[1, P]`` ids of a prompt given as a tensor or as what ``tokenizer(...)`` /
+    ``apply_chat_template(..., return_tensors="pt")`` return (a ``BatchEncoding`` holding ``input_ids``)."""
+    if isinstance(input_ids, torch.Tensor):
+        return input_ids
+    if hasattr(input_ids, "keys") and "input_ids" in input_ids:
+        return input_ids["input_ids"]
+    raise TypeError(f"spec_generate: input_ids must be a [1, P] tensor of token ids (or a BatchEncoding holding "
+                    f"one), got {type(input_ids).__name__}")
+
+
 def _cache_keyword(model: nn.Module) -> str:
     """The name under which a transformers model takes and returns its KV cache: ``cache`` in recent
     transformers versions, ``past_key_values`` before (and deprecated after)."""
@@ -293,6 +304,7 @@ class DFlashDraftModel(PreTrainedModel):
         ``[1, P + generated]`` (at most ``max_new_tokens`` new, cut after the first stop token), or a
         :class:`DFlashGeneration` with the per-cycle acceptance lengths when ``return_stats``."""
         self.eval()
+        input_ids = _prompt_ids(input_ids)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate decodes one prompt: input_ids must be [1, P], got {tuple(input_ids.shape)}")
         if self.mask_token_id is None:
@@ -316,6 +328,8 @@ class DFlashDraftModel(PreTrainedModel):
         result = DFlashGeneration(output_ids, P)
         start = P  # position of the last accepted token, the block's first row
         stopped = bool(torch.isin(output_ids[0, P:P + 1], stops).any())
+        if stopped:  # the target's first token stops: one cycle of one token, as eval --live counts it
+            result.acceptance_lengths.append(1)
         while start < max_length and not stopped:  # until more than max_new_tokens tokens exist
             block = output_ids[:, start:start + B].clone()  # [1, B]: [last token, MASK, ...]
             cached = draft_cache.get_seq_length()
