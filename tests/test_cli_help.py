@@ -105,3 +105,35 @@ def test_no_arguments_prints_the_help_with_the_subcommands(capsys):
     assert train_main([]) == 2
     err = capsys.readouterr().err
     assert "usage: dflash-train" in err and "subcommands:" in err and "\n  eval " in err
+
+
+ROOT = Path(__file__).resolve().parents[1]
+_TORCH_FREE = """
+import atexit, sys
+atexit.register(lambda: print("torch imported:", "torch" in sys.modules))  # --help and argparse errors exit
+from {module} import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize(("module", "argv", "message"), [
+    ("train.cli", ["configs/tiny.toml", "--cache", "c", "--run-dir", "r", "--set", "train.lrr=1"], "train.lrr"),
+    ("train.cli", ["configs/tny.toml", "--cache", "c", "--run-dir", "r"], "configs/tny.toml does not exist"),
+    ("train.cli", ["configs/tiny.toml", "--cache", "c"], "--run-dir"),
+    ("train.cli", ["--help"], "usage: dflash-train"),
+    ("train.demo", ["--set", "guards.rebaseline_afer=4"], "guards.rebaseline_afer"),
+])
+def test_arguments_and_config_are_checked_before_torch_is_imported(module, argv, message):
+    # a typo costs ~5 s of CPU when torch is imported first (~90 s on a busy machine)
+    proc = subprocess.run([sys.executable, "-c", _TORCH_FREE.format(module=module, argv=argv)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert message in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == (0 if argv == ["--help"] else 2), proc.stderr[-2000:]
+    assert "torch imported: False" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_config_missing_from_the_working_directory_names_it_and_the_shipped_preset(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert train_main(["configs/tiny.toml", "--cache", "c", "--run-dir", "r"]) == 2
+    err = capsys.readouterr().err
+    assert f"relative to the working directory {tmp_path}" in err and str(ROOT / "configs" / "tiny.toml") in err

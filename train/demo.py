@@ -20,11 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dflash_cache.errors import DFlashError
 from dflash_cache.runtime.entry import command_parser, run_cli
-from dflash_cache.runtime.threads import budget_cpu_threads
 
 log = logging.getLogger("dflash.demo")
 
@@ -41,6 +38,8 @@ def _stage(name: str, main: Any, argv: list[str]) -> None:
 
 
 def _untrained_drafter(cfg: Any, cache: Any) -> Any:
+    import torch
+
     from .model import build_drafter
 
     torch.manual_seed(cfg.train.seed)  # the same initialisation the trainer starts from
@@ -51,6 +50,7 @@ def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Pat
     """Held-out teacher-forced τ of the trained and an untrained drafter, and live τ of the trained one."""
     from dflash_cache import open_cache
     from dflash_cache.runtime.config import load_config
+    from dflash_cache.runtime.threads import budget_cpu_threads
 
     from .evaluate import holdout_sample_ids, load_for_eval, run_live, teacher_forced_eval
 
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    from dflash_cache.runtime.config import load_config
+
+    load_config(args.config, args.overrides)  # a typo fails here, before torch is loaded and --out replaced
     out = Path(args.out)
     summary = run_demo(out, args.config, args.overrides, live=not args.no_live, fresh=not args.keep)
     _print_summary(summary, out)

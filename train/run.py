@@ -33,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .loop import train  # here, so that --help does not load torch
+    cfg = load_config(args.config, args.overrides)  # before torch is loaded: a typo costs no import
+    from .loop import train
 
-    cfg = load_config(args.config, args.overrides)
     result = train(cfg, args.cache, args.run_dir)
     if result.checkpoint is not None:
         print(f"trained {result.step}/{result.total_steps} steps ({result.skipped} skipped); "

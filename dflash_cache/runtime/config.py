@@ -65,10 +65,19 @@ def validate(model: type[M], data: Mapping[str, Any], source: str = "config") ->
         raise ConfigError(format_validation_error(err, source)) from None
 
 
+def missing_config_message(p: Path) -> str:
+    """Says where a missing config was looked for, and where the shipped preset of that name is."""
+    where = "" if p.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+    shipped = Path(__file__).resolve().parents[2] / "configs" / p.name
+    hint = (f"the preset of that name is {shipped}" if shipped.is_file()
+            else "the presets live in the checkout's configs/, e.g. configs/tiny.toml")
+    return f"config file {p} does not exist{where}; {hint}"
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist (presets live in configs/, e.g. configs/tiny.toml)")
+        raise ConfigError(missing_config_message(p))
     try:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as err:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DFlashError, UsageError
-from .dist import check_launcher_env
+from .launcher import check_launcher_env
 from .log import setup_logging
 
 log = logging.getLogger("dflash")

@@ -7,7 +7,7 @@ import sys
 
 from tqdm import tqdm
 
-from .dist import launcher_env
+from .launcher import launcher_env
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
