@@ -7,6 +7,11 @@ largest relative deviation from the checked-in figures per recipe, key and step,
 can be set from the measured spread.
 
     .venv/bin/python bench/bench_loss_spread.py [--paths default,avx2,avx512] [--threads 1,2]
+    .venv/bin/python bench/bench_loss_spread.py --sensitivity   # real changes, against the same figures
+
+``--sensitivity`` instead runs each recipe once (this process's kernel path, 1 thread) with small real
+changes of the computation (lr x0.97, one anchor less, the loss weighting's parameter moved by 2%) and
+writes the largest relative deviation each causes: the test's tolerance must stay below them.
 """
 
 from __future__ import annotations
@@ -40,14 +45,45 @@ def _child(path: str, threads: list[int], out: Path) -> None:
     out.write_text(json.dumps(res))
 
 
+PERTURBATIONS = {
+    "exp_decay+adamw": {"lr x0.97": ["train.lr=2.91e-3"], "15 anchors": ["train.num_anchors=15"],
+                        "loss_gamma 7 -> 6.86": ["train.loss_gamma=6.86"]},
+    "dpace+muon+packing": {"muon_lr x0.97": ["train.muon_lr=2.91e-2"], "15 anchors": ["train.num_anchors=15"],
+                           "dpace_alpha 0.5 -> 0.49": ["train.dpace_alpha=0.49"]},
+}
+
+
+def sensitivity(out_path: Path) -> None:
+    from test_loss_regression import FIXTURE, KEYS, RUNS, build_cache, run_recipe
+
+    fixture = json.loads(FIXTURE.read_text())
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as d:
+        url = str(Path(d) / "cache")
+        build_cache(url)
+        for name, changes in PERTURBATIONS.items():
+            for what, extra in changes.items():
+                got = run_recipe(url, Path(d) / f"{name}-{what}".replace(" ", "_"), RUNS[name] + extra)
+                out.setdefault(name, {})[what] = {
+                    key: max(abs(v - w) / abs(w) for v, w in zip(got[key], fixture["runs"][name][key], strict=True))
+                    for key in KEYS}
+                print(f"{name:22s} {what:26s} " + "  ".join(f"{k} {v:.1e}" for k, v in out[name][what].items()))
+    out_path.write_text(json.dumps({"load_avg": os.getloadavg()[0], "max_rel_dev": out}, indent=1) + "\n")
+    print(f"wrote {out_path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--paths", default="default,avx2,avx512")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--sensitivity", action="store_true", help="real changes instead of kernel paths")
     p.add_argument("--out", default=str(RESULTS / "bench_loss_spread.json"))
     args = p.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
+    if args.sensitivity:
+        sensitivity(RESULTS / "bench_loss_sensitivity.json")
+        return 0
     if args.child:
         _child(os.environ.get("ATEN_CPU_CAPABILITY", "native"), threads, Path(args.child))
         return 0

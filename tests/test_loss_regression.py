@@ -7,11 +7,23 @@ in its commit:
 
     .venv/bin/python tests/test_loss_regression.py   # rewrites tests/fixtures/loss_regression.json
 
-Tolerance: relative 1e-4 on each step's loss and gradient norm. The runs are fp32 on CPU with one thread;
-between machines only the summation order inside BLAS kernels may differ (1 vs 2 threads: identical
-figures here). A real change of the computation moves the figures by more (measured: lr 3e-3 -> 2.9e-3
-moves the loss by 1.5e-4 and the gradient norm by 4%; loss_gamma 7 -> 6.9 by 7e-4 and 18%; 15 anchors
-instead of 16 by 9e-4 and 32%; dpace_alpha 0.5 -> 0.49 by 5% and 9%).
+Tolerance: relative, per recipe and key (``RTOL``), set from the measured spread between CPU kernel
+paths and thread counts and kept below the measured effect of small real changes
+(``bench/bench_loss_spread.py``, ``--sensitivity``; AMD EPYC, ATEN_CPU_CAPABILITY default / avx2 /
+avx512 x 1 and 2 intra-op threads, largest relative deviation over the 8 steps):
+
+=====================  ==========================  ==========================  ==================
+recipe                 kernel paths x threads      smallest real change        RTOL (loss, norm)
+=====================  ==========================  ==========================  ==================
+exp_decay+adamw        loss 1.5e-7, norm 7.6e-6    lr x0.97: 1.5e-4, 3.9e-2    2e-5, 1e-4
+dpace+muon+packing     loss 3.4e-4, norm 2.0e-2    15 anchors: 7.9e-3, 9.8e-2  2e-3, 5e-2
+=====================  ==========================  ==========================  ==================
+
+Muon's orthogonalised updates amplify the summation-order differences step by step (step 1 agrees to
+8e-8, step 4 only to 2e-2 in the grad norm), so its recipe cannot see a 3% lr change (2.0e-4, 1.9e-2:
+inside the spread); the AdamW recipe does. Other changes measured on the Muon recipe: dpace_alpha
+0.5 -> 0.49 moves the loss by 5.4e-2; on the AdamW recipe 15 anchors by 9.2e-4 and loss_gamma 7 -> 6.86
+by 6.9e-4.
 """
 
 from __future__ import annotations
@@ -28,7 +40,10 @@ from fixtures.trainer import small_cache, train_argv  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "loss_regression.json"
 STEPS = 8
-RTOL = 1e-4
+RTOL = {
+    "exp_decay+adamw": {"train/loss": 2e-5, "train/grad_norm": 1e-4},
+    "dpace+muon+packing": {"train/loss": 2e-3, "train/grad_norm": 5e-2},
+}
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "metrics.tensorboard=false",
         "loader.holdout_fraction=0.0", "loader.tokens_per_batch=512", "train.num_anchors=16",
         f"train.max_steps={STEPS}", "checkpoint.every_steps=1000", "train.seed=0"]
@@ -79,10 +94,10 @@ def test_first_steps_match_the_checked_in_figures(cache, tmp_path, name):
         f"{FIXTURE} was written for other settings: regenerate it (see this file's docstring)")
     got = run_recipe(cache, tmp_path / "run", RUNS[name])
     for key in KEYS:
-        want = expected["runs"][name][key]
+        want, rtol = expected["runs"][name][key], RTOL[name][key]
         for step, (g, w) in enumerate(zip(got[key], want, strict=True), start=1):
-            assert g == pytest.approx(w, rel=RTOL), (
-                f"{name}: {key} at step {step} is {g!r}, the checked-in figure {w!r} (rel tol {RTOL}); if the "
+            assert g == pytest.approx(w, rel=rtol), (
+                f"{name}: {key} at step {step} is {g!r}, the checked-in figure {w!r} (rel tol {rtol}); if the "
                 f"change is intended, regenerate {FIXTURE.name} and say why in the commit")
 
 
