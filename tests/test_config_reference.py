@@ -61,3 +61,17 @@ def test_python_tuple_syntax_is_what_the_page_must_not_show(tmp_path):
     with pytest.raises(ConfigError, match="train.betas"):
         load_config(empty, ["train.betas=(0.9, 0.95)"])
     assert "`(0.9, 0.95)`" not in PAGE.read_text()
+
+
+def test_the_pages_set_examples_are_accepted_by_the_preset_they_name():
+    import re
+    import shlex
+
+    text = PAGE.read_text()
+    commands = [line for line in text.splitlines() if line.startswith(("dflash-train configs/", "dflash-extract configs/"))]
+    quoted = re.findall(r'`(--set "[^"]+")`', text)
+    assert commands and quoted
+    for line in commands + [f"x configs/tiny.toml {q}" for q in quoted]:
+        argv = shlex.split(line)
+        overrides = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        load_config(argv[1], overrides)  # raises ConfigError naming the field if the example is wrong

@@ -141,8 +141,8 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("metrics.wandb = true needs the wandb package: pip install 'dflash-pipeline[wandb]' "
-                              "(or pip install wandb); or set metrics.wandb = false") from None
+            raise ConfigError("metrics.wandb = true needs the wandb package: pip install wandb (or, in the checkout, "
+                              "pip install -e '.[wandb]'); or set metrics.wandb = false") from None
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)  # W&B ids: [a-z0-9]
         if not id_file.is_file():

@@ -40,11 +40,11 @@ overrides one key with a TOML value and is validated the same way:
 
 ```bash
 dflash-train configs/tiny.toml --cache CACHE --run-dir RUN --set train.lr=3e-4 --set train.betas=[0.9,0.99]
-dflash-extract configs/tiny.toml --out CACHE --set cache.bucket_edges=[512,1024] --set teacher.path=/models/qwen
+dflash-extract configs/tiny.toml --out CACHE --set cache.bucket_edges=[128,320] --set teacher.path=/models/qwen
 ```
 
 A value that is not valid TOML is taken as a string (`--set teacher.path=/models/qwen`). Quote lists
-with spaces for the shell (`--set "cache.bucket_edges=[512, 1024]"`). *unset* means the key has no value
+with spaces for the shell (`--set "cache.bucket_edges=[128, 320]"`). *unset* means the key has no value
 (it is left out of the preset); its description says what happens then. The resolved config is written
 into the cache (`CACHE/meta/config.json`), the run dir (`RUN/config.json`) and every checkpoint.
 """

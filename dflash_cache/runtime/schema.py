@@ -379,9 +379,9 @@ class MetricsConfig(Section):
     progress_bar: bool = True
     """Show the progress bar (rank 0)."""
     wandb: bool = False
-    """Also log every scalar to Weights & Biases (`pip install 'dflash-pipeline[wandb]'`; `WANDB_MODE=offline`
-    works without a network); the run id is kept in `RUN/wandb_run_id` so a resume continues the same W&B
-    run."""
+    """Also log every scalar to Weights & Biases (the `wandb` extra: `.venv/bin/pip install -e '.[wandb]'` in
+    the checkout, the package is not on PyPI; or `pip install wandb`). `WANDB_MODE=offline` works without a
+    network; the run id is kept in `RUN/wandb_run_id` so a resume continues the same W&B run."""
     wandb_project: str = "dflash"
     """W&B project."""
     wandb_entity: str | None = None
