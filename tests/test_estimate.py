@@ -197,3 +197,14 @@ def test_one_training_step_at_the_presets_real_shapes_on_the_meta_device(preset)
     opt.step()
     assert norm.is_meta and all(opt.state[p]["exp_avg"].shape == p.shape for p in params)
     assert lm.drafter is model
+
+
+def test_estimate_on_cpu_compares_with_host_ram_and_invents_no_gpu_throughput(capsys):
+    assert train_cli_main(["estimate", "configs/tiny.toml", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "this machine's RAM (--device cpu)" in out and "80 GB" not in out
+    assert "throughput:" not in out and "TFLOP/s" not in out and "pass --tokens-per-s" in out
+    # the tiny drafter's size reads as what it is, not "0.000 B"
+    assert "345 k trainable parameters" in out
+    assert train_cli_main(["estimate", "configs/tiny.toml", "--device", "cpu", "--tokens-per-s", "900"]) == 0
+    assert "throughput: 900 tokens/s (--tokens-per-s)" in capsys.readouterr().out

@@ -21,6 +21,7 @@ by ``bench/gpu_check.py``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -425,12 +426,17 @@ def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gp
     median = at(figures.block_positions_median, figures.context_tokens_median)
     if gpu_memory_gib is not None:
         gpu_bytes, gpu_source = int(gpu_memory_gib * GIB), "--gpu-memory"
+    elif device == "cpu":  # the step lives in host RAM: compare with it, not with a GPU
+        gpu_bytes, gpu_source = _host_memory(), "this machine's RAM (--device cpu)"
     else:
         gpu_bytes, gpu_source = _local_gpu_memory()
     flops = flops_per_step(shape, StepShape.worst(figures.context_tokens_median, figures.block_positions_median, B,
                                                   figures.mean_doc_tokens))
     tps_source = "--tokens-per-s"
-    if tokens_per_s is None:
+    if tokens_per_s is None and device == "cpu":  # a GPU's TFLOP/s say nothing about a CPU
+        notes.append("no throughput on CPU without a measurement: pass --tokens-per-s (train/tokens_per_s of a "
+                     "short run's metrics.jsonl)")
+    elif tokens_per_s is None:
         tokens_per_s = figures.context_tokens_median / (flops / (gpu_tflops * 1e12 * mfu)) if flops else None
         tps_source = f"assumed: {mfu:.0%} MFU of {gpu_tflops:g} dense bf16 TFLOP/s"
     if figures.steps_per_epoch is None:
@@ -439,6 +445,18 @@ def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gp
         notes.append("train.precision = fp32 on a GPU doubles the activations")
     return EstimateReport(shape, t.source, figures, device, attention, peak, median, gpu_bytes, gpu_source, flops,
                           tokens_per_s, tps_source, cfg.train.epochs, notes)
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parameter_count(n: int) -> str:
+    """``1.234 B`` / ``5.67 M`` / ``890 k``: a drafter's size readable at every scale."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
 
 
 def _local_gpu_memory() -> tuple[int, str]:
@@ -453,7 +471,7 @@ def format_report(r: EstimateReport) -> str:
     s, f, p = r.shape, r.figures, r.peak
     lines = [
         f"drafter: {s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads} x {s.head_dim}, MLP "
-        f"{s.intermediate}, vocab {s.vocab}, {s.n_features} target layers; {s.params / 1e9:.3f} B trainable "
+        f"{s.intermediate}, vocab {s.vocab}, {s.n_features} target layers; {parameter_count(s.params)} trainable "
         f"parameters (teacher shapes from the {r.teacher_source})",
         f"step ({f.source}): block positions median {f.block_positions_median}, max {f.block_positions_max}; "
         f"context tokens median {f.context_tokens_median}, max {f.context_tokens_max}",
