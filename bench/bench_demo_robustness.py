@@ -5,12 +5,13 @@ instruction set torch's CPU kernels dispatch on; a CPU without AVX-512 takes ``a
 count change the summation order inside the kernels, so the gradient-norm trajectory differs between
 machines (on ``avx2`` the tiny preset's norm jumps ~15x around step 25, which stopped the run before the
 guard accepted level shifts). Each combination trains the tiny preset on the demo's cache for
-``--steps`` steps through ``dflash-train`` and must finish (exit 0) with a held-out acceptance length
-clearly above the untrained drafter's (``--min-gain``). Too slow for CI (a few minutes per run on 2 busy
-cores): run it before a release, after ``make demo`` has built the cache.
+its full schedule (the demo's ~500 steps; ``--steps N`` sets ``train.max_steps``, which also shortens the
+lr schedule, so the trajectory differs from the demo's) through ``dflash-train`` and must finish (exit 0)
+with a held-out acceptance length clearly above the untrained drafter's (``--min-gain``). Too slow for CI
+(~4 min per 100 steps on 2 busy cores): run it before a release, after ``make demo`` has built the cache.
 
     .venv/bin/python bench/bench_demo_robustness.py [--cache runs/demo/cache] [--seeds 0,1,2] [--threads 1,2]
-        [--paths avx2,default] [--steps 100]
+        [--paths avx2,default] [--steps N]
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def train_once(cache: str, run: Path, seed: int, threads: int, path: str, steps:
 
     env = dict(os.environ, ATEN_CPU_CAPABILITY=path, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "train.cli", str(ROOT / "configs" / "tiny.toml"), "--cache", cache, "--run-dir",
-           str(run), *[a for s in (f"train.seed={seed}", f"train.max_steps={steps}", f"eval.every_steps={steps}",
+           str(run), *[a for s in (f"train.seed={seed}", *([f"train.max_steps={steps}", f"eval.every_steps={steps}"]
+                                                           if steps else []),
                                    "metrics.progress_bar=false", "metrics.tensorboard=false") for a in ("--set", s)]]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--paths", default="avx2,default")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=0, help="train.max_steps (0: the preset's full schedule)")
     p.add_argument("--min-gain", type=float, default=1.0, help="tau must exceed the untrained drafter's by this")
     p.add_argument("--out", default=str(RESULTS / "bench_demo_robustness.json"))
     args = p.parse_args(argv)
