@@ -75,7 +75,7 @@ def test_full_run_artifacts_then_sigkill_resume_is_bitwise_exact(cache, tmp_path
     assert latest.step == 16 and latest.config["train"]["max_steps"] == 16
     assert read_weights_config(latest.path / "model.safetensors").block_size == 8  # export needs no cache
     assert latest.manifest["cache_fingerprint"] and set(latest.state) >= {
-        "optimizer", "scheduler", "loader", "guard", "rng", "step"}
+        "optimizer", "scheduler", "loader", "guard", "step"} and "rng" not in latest.state
 
     # same run, SIGKILLed once checkpoint 8 is committed, then resumed by rerunning the command
     run = tmp_path / "killed"
