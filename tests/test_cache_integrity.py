@@ -267,7 +267,7 @@ _WRITER_SCRIPT = textwrap.dedent("""
 def test_two_processes_write_one_cache(cache_dir):
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(cache_dir), str(r)], cwd=ROOT)
              for r in range(2)]
-    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0]
     report = verify_cache(str(cache_dir))
     assert report.n_parts == 4 + 6 and report.n_samples == 40 + 36
     cache = open_cache(str(cache_dir))

@@ -147,7 +147,7 @@ def test_sigkill_rerun_torn_line_and_second_writer(tiny_teacher_dir, backend, re
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         lock = tmp_path / "regen.jsonl.lock"
-        deadline = time.time() + 60
+        deadline = time.time() + 600
         while not (lock.exists() and f'"pid": {proc.pid}' in lock.read_text()):
             assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
             time.sleep(0.01)
