@@ -15,8 +15,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -33,8 +33,22 @@ N_PROCS, ROUNDS = 8, 40
 DEADLINE_S = 300.0  # overall; a round normally takes milliseconds
 
 
+def _slow_metadata_operations(delay_s: float) -> None:
+    """Link, rename and replace take ``delay_s`` (as on a network filesystem): an implementation that checks
+    and then writes leaves every contender time to pass the check. Only in the forked racers."""
+    for name in ("link", "rename", "replace"):
+        real = getattr(os, name)
+
+        def slow(*args, _real=real, **kwargs):
+            time.sleep(delay_s)
+            return _real(*args, **kwargs)
+
+        setattr(os, name, slow)
+
+
 def _race_worker(url: str, barrier, results, index: int, what: str) -> None:
     """Run ROUNDS rounds; in each, wait at the barrier, then try to take key ``r``."""
+    _slow_metadata_operations(0.005)
     st = make_storage(url)
     out = []
     for r in range(ROUNDS):
@@ -97,33 +111,35 @@ def test_part_leases_raced_by_processes_at_a_barrier_have_one_holder(tmp_path, m
 
 
 def test_exclusive_create_raced_by_threads_on_memory_storage_has_one_winner():
-    """``memory://`` lives in one process, so its contenders are threads; switching threads as often as
-    possible makes a check-then-write window show up within a few hundred rounds."""
+    """``memory://`` lives in one process, so its contenders are threads. Its existence check is slowed (as a
+    remote one would be), so a check-then-write without mutual exclusion lets several threads through."""
     st = make_storage("memory://safety-race")
-    rounds = 400
+    real_exists = st.fs.exists
+
+    def slow_exists(path, **kw):
+        time.sleep(0.002)
+        return real_exists(path, **kw)
+
     barrier = threading.Barrier(N_PROCS)
-    wins = [[False] * rounds for _ in range(N_PROCS)]
+    wins = [[False] * ROUNDS for _ in range(N_PROCS)]
 
     def run(i: int) -> None:
-        for r in range(rounds):
+        for r in range(ROUNDS):
             barrier.wait(timeout=DEADLINE_S)
             wins[i][r] = st.create_exclusive(f"race/{r:04d}", f"{i}".encode())
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(N_PROCS)]
+    st.fs.exists = slow_exists
     try:
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=DEADLINE_S)
     finally:
-        sys.setswitchinterval(interval)
+        del st.fs.exists
     try:
-        counts = [sum(w[r] for w in wins) for r in range(rounds)]
-        assert counts == [1] * rounds, f"rounds without exactly one winner: {[r for r, c in enumerate(counts) if c != 1]}"
-        for r in range(rounds):
-            i = next(i for i in range(N_PROCS) if wins[i][r])
+        winners = _one_winner_per_round(wins)
+        for r, i in enumerate(winners):
             assert st.get(f"race/{r:04d}") == f"{i}".encode()
     finally:
         st.remove_tree("")
