@@ -111,14 +111,15 @@ def test_part_leases_raced_by_processes_at_a_barrier_have_one_holder(tmp_path, m
 
 
 def test_exclusive_create_raced_by_threads_on_memory_storage_has_one_winner():
-    """``memory://`` lives in one process, so its contenders are threads. Its existence check is slowed (as a
-    remote one would be), so a check-then-write without mutual exclusion lets several threads through."""
+    """``memory://`` lives in one process, so its contenders are threads. Its existence check answers late (as
+    a remote one would), so a check-then-write without mutual exclusion lets several threads through."""
     st = make_storage("memory://safety-race")
     real_exists = st.fs.exists
 
     def slow_exists(path, **kw):
-        time.sleep(0.002)
-        return real_exists(path, **kw)
+        found = real_exists(path, **kw)
+        time.sleep(0.002)  # the answer is on its way while another thread writes
+        return found
 
     barrier = threading.Barrier(N_PROCS)
     wins = [[False] * ROUNDS for _ in range(N_PROCS)]
