@@ -396,8 +396,8 @@ class FsspecStorage(Storage):
         """``pipe_file(mode="create")``: atomic where the filesystem implements it as a conditional write
         (``If-None-Match`` on S3-compatible stores where supported; the memory filesystem); fsspec's
         generic fallback checks, then writes. Threads of this process take turns: the memory filesystem
-        (and the generic fallback) check and write in this process, and two threads racing between the
-        check and the write both won before (tests/test_cache_safety.py)."""
+        (and the generic fallback) check and write in this process, where two threads racing between
+        the check and the write could otherwise both win (tests/test_cache_safety.py)."""
         with _CREATE_LOCK:
             try:
                 self.fs.pipe_file(self._p(key), data, mode="create")
