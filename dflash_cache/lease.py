@@ -92,7 +92,16 @@ def _process_start(pid: int) -> str | None:
 
 
 _PIDNS = _pid_namespace()
-_START = _process_start(os.getpid())
+_START: dict[int, str | None] = {}
+
+
+def _own_start() -> str | None:
+    """This process's start time, looked up per pid: a child forked after this module was imported has
+    its own (with the parent's, its leases would look dead to everyone and be taken over)."""
+    pid = os.getpid()
+    if pid not in _START:
+        _START[pid] = _process_start(pid)
+    return _START[pid]
 
 
 @dataclass(frozen=True)
@@ -185,7 +194,7 @@ class PartLease:
 
     def record(self) -> bytes:
         return json.dumps({"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                           "pidns": _PIDNS, "start": _START, "acquired_unix": self.acquired_unix,
+                           "pidns": _PIDNS, "start": _own_start(), "acquired_unix": self.acquired_unix,
                            "heartbeat_unix": time.time()}).encode()
 
     def held(self) -> bool:

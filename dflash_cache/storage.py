@@ -13,6 +13,7 @@ import errno
 import os
 import secrets
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -360,6 +361,9 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+_CREATE_LOCK = threading.Lock()  # FsspecStorage.create_exclusive: one check-and-write at a time per process
+
+
 class FsspecStorage(Storage):
     """Any fsspec filesystem (``memory://``, ``s3://``, ``gs://`` ...). Object puts are atomic."""
 
@@ -391,11 +395,14 @@ class FsspecStorage(Storage):
     def create_exclusive(self, key: str, data: bytes, durable: bool = False) -> bool:
         """``pipe_file(mode="create")``: atomic where the filesystem implements it as a conditional write
         (``If-None-Match`` on S3-compatible stores where supported; the memory filesystem); fsspec's
-        generic fallback checks, then writes."""
-        try:
-            self.fs.pipe_file(self._p(key), data, mode="create")
-        except FileExistsError:
-            return False
+        generic fallback checks, then writes. Threads of this process take turns: the memory filesystem
+        (and the generic fallback) check and write in this process, where two threads racing between
+        the check and the write could otherwise both win (tests/test_cache_safety.py)."""
+        with _CREATE_LOCK:
+            try:
+                self.fs.pipe_file(self._p(key), data, mode="create")
+            except FileExistsError:
+                return False
         return True
 
     def list_dir(self, prefix: str) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import select
 import sys
 import threading
 import time
@@ -81,7 +82,7 @@ class OpenAIServer:
     """``with OpenAIServer(backend, "served-name") as server: server.url``"""
 
     def __init__(self, backend: Any, served_name: str, faults: dict[str, list[str]] | None = None,
-                 timeout_sleep_s: float = 2.0, reasoning_field: bool = False, delay_s: float = 0.0):
+                 timeout_sleep_s: float = 600.0, reasoning_field: bool = False, delay_s: float = 0.0):
         self.backend, self.served_name = backend, served_name
         self.delay_s = delay_s  # added to every completion (a kill then lands mid-run)
         self.faults = {k: list(v) for k, v in (faults or {}).items()}
@@ -190,8 +191,8 @@ def _handler(server: OpenAIServer) -> type[BaseHTTPRequestHandler]:
             elif fault == "malformed":
                 self._send(200, b"<html>502 Bad Gateway</html>")
             else:
-                if fault == "timeout":
-                    time.sleep(server.timeout_sleep_s)
+                if fault == "timeout":  # answer only once the client has given up (at most timeout_sleep_s)
+                    select.select([self.connection], [], [], server.timeout_sleep_s)
                 self._json(200, server.completion(body, fault))
 
     return Handler

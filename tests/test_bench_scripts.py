@@ -70,3 +70,14 @@ def test_bench_eval_threads_compares_default_threads_with_the_budget(monkeypatch
     assert r["runs"]["default"][0]["threads"] == r["torch_default_threads"]
     assert 1 <= r["budget_threads"] <= r["torch_default_threads"]
     assert r["cpu_ratio_default_over_budget"] > 0 and r["wall_ratio_default_over_budget"] > 0
+
+
+def test_bench_http_client_measures_both_transports(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "http.json"
+    assert _run(monkeypatch, "bench_http_client", "--rounds", "1", "--requests", "20", "--out", str(out)) == 0
+    if "skipped: httpx is not importable" in capsys.readouterr().out:
+        assert not out.exists()
+        return
+    r = json.loads(out.read_text())
+    for name in ("stdlib", "httpx"):
+        assert r[name]["cpu_ms_per_request"]["median"] > 0 and r[name]["rps_8_in_flight_50ms"]["median"] > 0

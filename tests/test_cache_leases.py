@@ -128,12 +128,23 @@ def test_the_heartbeat_is_refreshed_while_held(cache_dir, monkeypatch):
     fresh = lease_mod._Keeper()  # a keeper started with the short interval
     monkeypatch.setattr(lease_mod, "_keeper", fresh)
     lease = acquire(st, "buckets/1/beating")
-    first = newest(st, lease.key)[1].heartbeat_unix
-    time.sleep(0.3)
-    assert newest(st, lease.key)[1].heartbeat_unix > first
+    witness = acquire(st, "buckets/1/witness")  # held throughout: its heartbeats show the keeper's rounds
+
+    def beats_after(key: str, since: float, n: int = 1) -> None:
+        """Wait (generously) until ``key``'s heartbeat has been refreshed ``n`` times after ``since``."""
+        deadline, seen, last = time.monotonic() + 120, 0, since
+        while seen < n:
+            assert time.monotonic() < deadline, f"the heartbeat of {key} was not refreshed"
+            now = newest(st, key)[1].heartbeat_unix
+            if now > last:
+                seen, last = seen + 1, now
+            time.sleep(0.01)
+
+    beats_after(lease.key, newest(st, lease.key)[1].heartbeat_unix)
     lease.release()
-    time.sleep(0.15)
+    beats_after(witness.key, newest(st, witness.key)[1].heartbeat_unix, n=2)  # two rounds after the release
     assert newest(st, lease.key) == (0, None)  # released: the heartbeat does not bring it back
+    witness.release()
 
 
 def test_a_writer_that_lost_its_lease_neither_commits_nor_removes(cache_dir):

@@ -99,7 +99,7 @@ def test_concurrent_jobs_end_with_exactly_the_single_run_samples(tiny_teacher_di
 def _kill_in_commit(victim: subprocess.Popen, out: Path) -> str:
     """SIGKILL ``victim`` while one of its parts has small arrays but no commit record; returns where the
     kill landed, read from the part after the process is gone."""
-    deadline = time.time() + 120
+    deadline = time.time() + 600
     while time.time() < deadline and victim.poll() is None:
         for d in out.glob("buckets/*/u*"):
             if not (d / "input_ids" / "zarr.json").exists() or (d / "commit.json").exists():

@@ -100,8 +100,9 @@ def test_sigkill_then_resume_is_bitwise_identical(tiny_teacher_dir, reference, t
     out = tmp_path / "cache"
     proc = subprocess.Popen(_subprocess_cmd(tiny_teacher_dir, out), cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(out.glob("buckets/*/*/lease.*.json")):  # first part started
+    deadline = time.time() + 600
+    while not list(out.glob("buckets/*/*/lease.*.json")):  # first part started
+        assert proc.poll() is None and time.time() < deadline, "the extraction never started a part"
         time.sleep(0.01)
     time.sleep(random.Random(0).uniform(0.0, 0.15))
     proc.send_signal(signal.SIGKILL)

@@ -12,6 +12,7 @@ the current directory, as ``-m train.cli`` does. See docs/launchers.md.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from train.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ACCELERATE = [str(BIN / "accelerate"), "launch"]
+needs_accelerate = pytest.mark.skipif(not (BIN / "accelerate").exists(),
+                                      reason="accelerate is an optional extra: pip install -e '.[accelerate]'")
 EXTRACT_SETS = ["data.path=builtin:tiny-chat?n=16", "extract.unit_size=4", "extract.tokens_per_batch=1024"]
 TRAIN_SETS = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",
               "loader.tokens_per_batch=512", "train.num_anchors=512", "train.max_steps=2",
@@ -90,6 +93,7 @@ def _snapshot(url: Path) -> dict[int, tuple[bytes, bytes, bytes]]:
                           s.features.view(torch.int16).numpy().tobytes()) for s in cache.read_samples(sorted(ids))}
 
 
+@needs_accelerate
 def test_extract_under_accelerate_two_processes_matches_one_process(tiny_teacher_dir, tmp_path):
     args = ["configs/tiny.toml", "--no-progress", *_sets(f"teacher.path={tiny_teacher_dir}", *EXTRACT_SETS)]
     single = tmp_path / "single"
@@ -129,6 +133,7 @@ def cache(tmp_path_factory) -> str:
     return url
 
 
+@needs_accelerate
 def test_train_under_accelerate_matches_torchrun(cache, tmp_path):
     train = [str(ROOT / "configs" / "tiny.toml"), "--cache", cache, *_sets(*TRAIN_SETS)]
     torchrun, acc = tmp_path / "torchrun", tmp_path / "accelerate"
@@ -146,6 +151,7 @@ def test_train_under_accelerate_matches_torchrun(cache, tmp_path):
         assert (rb["train/loss"], rb["train/grad_norm"]) == (ra["train/loss"], ra["train/grad_norm"])
 
 
+@needs_accelerate
 def test_accelerate_cpu_flag_with_several_processes_is_refused(tmp_path):
     # accelerate --cpu --num_processes 2 starts ONE process without RANK/WORLD_SIZE (it leaves CPU ranks to
     # mpirun): running it would silently be a single-process job, so the command says how to launch instead
@@ -154,3 +160,10 @@ def test_accelerate_cpu_flag_with_several_processes_is_refused(tmp_path):
                     "--out", str(tmp_path / "cache")], tmp_path, expect=1)
     assert "accelerate launch --multi_gpu --num_processes N" in proc.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_no_module_imports_accelerate():
+    """accelerate is an optional extra (its launcher only): the pipeline must run without it installed."""
+    importers = [str(p.relative_to(ROOT)) for pkg in ("dflash_cache", "extract", "train") for p in (ROOT / pkg).rglob("*.py")
+                 if re.search(r"^\s*(import accelerate|from accelerate\b)", p.read_text(), re.M)]
+    assert importers == []

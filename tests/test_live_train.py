@@ -50,7 +50,7 @@ def _committed_parts(cache: Path) -> int:
     return len(list(cache.glob("buckets/*/*/commit.json")))  # a part's commit record is written last
 
 
-def _wait(pred, what: str, *procs: subprocess.Popen, log: Path | None = None, timeout: float = 180.0) -> None:
+def _wait(pred, what: str, *procs: subprocess.Popen, log: Path | None = None, timeout: float = 600.0) -> None:
     t0 = time.time()
     while not pred():
         for proc in procs:
@@ -78,16 +78,16 @@ def _extract_and_train(tmp_path: Path, trainer_prefix: list[str], *overrides: st
                                         *_sets("metrics.progress_bar=false")], cwd=ROOT, env=_env(),
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             procs.append(extract)
-            _wait(lambda: _committed_parts(cache) > 0, "a committed part", extract, trainer, log=log, timeout=0.01 + 180)
+            _wait(lambda: _committed_parts(cache) > 0, "a committed part", extract, trainer, log=log)
             extract.send_signal(signal.SIGSTOP)
             first = _committed_parts(cache)
             _wait(lambda: len(read_metrics(run)) > 0 and "consumed everything committed so far" in log.read_text(),
                   "the trainer to train on the first parts", trainer, log=log)
             trained_before = len(read_metrics(run))
             extract.send_signal(signal.SIGCONT)
-            _, extract_err = extract.communicate(timeout=300)
+            _, extract_err = extract.communicate(timeout=600)
             assert extract.returncode == 0, extract_err[-3000:]
-            out, _ = trainer.communicate(timeout=300)
+            out, _ = trainer.communicate(timeout=600)
         finally:
             for proc in procs:
                 if proc.poll() is None:

@@ -251,20 +251,32 @@ def test_live_mode_picks_up_a_part_committed_during_the_run(tmp_path: Path, capl
     url = str(tmp_path / "live")
     make_synthetic_cache(url, n_samples=40, seed=1)
 
+    waiting = threading.Event()  # the loader has consumed every committed part and waits for more
+
+    class _OnWaiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for new parts" in record.getMessage():
+                waiting.set()
+
     def extract_more() -> None:
-        time.sleep(0.5)
+        assert waiting.wait(timeout=600), "the loader never waited for new parts"
         more = make_synthetic_cache(url, n_samples=30, seed=2, first_id=1000)
         more.write_metadata("extract_report", {"world_size": 1})  # what dflash-extract writes when done
 
     cfg = _cfg(live=True, live_poll_s=0.05, holdout_fraction=0.0)
     writer = threading.Thread(target=extract_more)
     caplog.set_level(logging.INFO, logger="train.loader")
-    with StreamingLoader(open_cache(url), cfg, **BLOCKS, seed=0, max_epochs=2) as loader:
-        writer.start()
-        first = list(loader)
-        second = list(loader)
-        assert loader.epoch == 2
-    writer.join()
+    handler = _OnWaiting()
+    logging.getLogger("train.loader").addHandler(handler)
+    try:
+        with StreamingLoader(open_cache(url), cfg, **BLOCKS, seed=0, max_epochs=2) as loader:
+            writer.start()
+            first = list(loader)
+            second = list(loader)
+            assert loader.epoch == 2
+        writer.join()
+    finally:
+        logging.getLogger("train.loader").removeHandler(handler)
     expected = set(range(40)) | set(range(1000, 1030))
     ids = [i for b in first for i in b.sample_ids.tolist()]
     assert len(ids) == len(set(ids)) and set(ids) == expected

@@ -33,7 +33,7 @@ def cache(tmp_path_factory) -> str:
 
 _cmd = partial(train_cmd, BASE)
 _env = train_env
-_run = partial(run_train, BASE, timeout=180)
+_run = partial(run_train, BASE, timeout=600)
 
 
 def _tb_scalars(run: Path) -> dict[str, list[int]]:
@@ -108,7 +108,7 @@ def test_step_time_and_throughput_exclude_eval_and_checkpoints(full_run):
     assert "commit not logged" not in format_report(rep, full_run)
 
 
-def _wait_for(pred, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+def _wait_for(pred, proc: subprocess.Popen, timeout: float = 600.0) -> None:
     t0 = time.time()
     while not pred():
         assert proc.poll() is None, f"training exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}"

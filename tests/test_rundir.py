@@ -64,7 +64,7 @@ def test_second_trainer_is_refused_and_a_dead_holder_is_taken_over(cache, tmp_pa
     t0 = time.time()
     while not read_metrics(run):  # the first trainer holds the lock and is training
         assert first.poll() is None, first.stderr.read()[-2000:]
-        assert time.time() - t0 < 90
+        assert time.time() - t0 < 600
         time.sleep(0.05)
     rc, err = _train(cache, run, "train.max_steps=2", capsys=capsys)
     assert rc == 2

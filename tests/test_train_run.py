@@ -39,7 +39,7 @@ def cache(tmp_path_factory) -> str:
 
 _cmd = partial(train_cmd, BASE)
 _env = train_env
-_run = partial(run_train, BASE, timeout=120)
+_run = partial(run_train, BASE, timeout=600)
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -54,7 +54,7 @@ def _tb_steps(run: Path, tag: str = "train/loss") -> list[int]:
     return [e.step for e in acc.Scalars(tag)]
 
 
-def _wait_for(pred, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def _wait_for(pred, proc: subprocess.Popen, timeout: float = 600.0) -> None:
     t0 = time.time()
     while not pred():
         assert proc.poll() is None, f"training exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
@@ -75,7 +75,7 @@ def test_full_run_artifacts_then_sigkill_resume_is_bitwise_exact(cache, tmp_path
     assert latest.step == 16 and latest.config["train"]["max_steps"] == 16
     assert read_weights_config(latest.path / "model.safetensors").block_size == 8  # export needs no cache
     assert latest.manifest["cache_fingerprint"] and set(latest.state) >= {
-        "optimizer", "scheduler", "loader", "guard", "rng", "step"}
+        "optimizer", "scheduler", "loader", "guard", "step"} and "rng" not in latest.state
 
     # same run, SIGKILLed once checkpoint 8 is committed, then resumed by rerunning the command
     run = tmp_path / "killed"
@@ -208,7 +208,7 @@ def test_sigterm_saves_and_rerun_resumes(cache, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: len(read_metrics(run)) >= 3, proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=600)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     last = max(_losses(run))
     assert find_latest(run).name == f"step-{last:08d}" and "Rerun the same command" in err

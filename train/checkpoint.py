@@ -4,9 +4,9 @@ Layout of one committed checkpoint (``RUN/checkpoints/step-00000120/``)::
 
     model.safetensors   drafter state_dict (trainable + persistent weights; frozen head excluded);
                         metadata: "step" and, from the trainer, "dflash_config" (the drafter config JSON)
-    state.safetensors   every other tensor of the training state (optimizer moments, RNG states ...)
+    state.safetensors   every other tensor of the training state (optimizer moments ...)
     state.json          the structure of the training state, tensors replaced by references
-                        into state.safetensors (optimizer, scheduler, loader, rng, guard, step ...)
+                        into state.safetensors (optimizer, scheduler, loader, guard, step ...)
     config.json         the resolved pipeline config of the run
     manifest.json       written LAST: step, cache fingerprint, size and crc32c of every file
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Optimizer = Literal["adamw", "muon"]
@@ -118,6 +118,7 @@ class MemoryEstimate:
     loss_head: int
     backward_working_set: int  # one layer's gradients of activations and of its weights
     host_loader_buffers: int  # host memory, not on the device
+    activation_terms: dict[str, int] = field(default_factory=dict)  # what ``activations`` sums, by name
 
     @property
     def static(self) -> int:
@@ -193,7 +194,9 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
     mask = (1 + int(shape.sliding_layers > 0)) * Q * (T + Q // max(1, step.rows)) * c if attention == "sdpa" else 0
     layer_full = (per_q * Q + per_c * C) * c + attn_saved
     layers_saved = shape.layers * (Q * H * c if checkpointing else layer_full)  # inputs only when checkpointing
-    activations = layers_saved + fused + embed + rope + mask + 2 * Q * H * c  # + the final norm's input and output
+    terms = dict(layers=layers_saved, fused=fused, embed=embed, rope=rope, sdpa_mask=mask,
+                 final_norm=2 * Q * H * c)  # final_norm: the final norm's input and output
+    activations = sum(terms.values())
     attention_ws = attn_transient
 
     # the loss head: the counted rows' hidden states and their gradient, one chunk of logits (matmul output
@@ -214,7 +217,7 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
         frozen_head=head, batch=batch, activations=activations, per_layer=layer_full,
         recomputed_layer=layer_full if checkpointing else 0,
         attention_workspace=attention_ws, loss_head=loss_head, backward_working_set=backward_ws,
-        host_loader_buffers=loader_host_bytes,
+        host_loader_buffers=loader_host_bytes, activation_terms=terms,
     )
 
 

@@ -1,0 +1,233 @@
+"""The cache's safety primitives under the conditions that break weaker versions of them:
+
+- exclusive creation raced by many processes (threads for ``memory://``) released at one barrier, so that
+  they really do arrive together: exactly one wins each key, and its bytes are the ones stored;
+- ``verify`` given a valid shard copied from another part (zarr's own per-chunk checksums pass; only the
+  commit record's whole-array checksum notices);
+- the commit order, observed through a storage wrapper that records calls: every file of the part is
+  fsynced before the commit record, and the commit record is created exclusively (never a plain put).
+
+``tests/mutation_check.py`` breaks each primitive in a copy of the repository and checks these tests fail.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+from dflash_cache import open_cache, verify_cache
+from dflash_cache import storage as storage_mod
+from dflash_cache.errors import CacheCorruptError
+from dflash_cache.lease import LeaseHeldError, acquire
+from dflash_cache.parts import COMMIT
+from dflash_cache.storage import make_storage
+from dflash_cache.synthetic import make_synthetic_cache, synthetic_features
+
+N_PROCS, ROUNDS = 8, 40
+DEADLINE_S = 300.0  # overall; a round normally takes milliseconds
+
+
+def _slow_metadata_operations(delay_s: float) -> None:
+    """Link, rename and replace take ``delay_s`` (as on a network filesystem): an implementation that checks
+    and then writes leaves every contender time to pass the check. Only in the forked racers."""
+    for name in ("link", "rename", "replace"):
+        real = getattr(os, name)
+
+        def slow(*args, _real=real, **kwargs):
+            time.sleep(delay_s)
+            return _real(*args, **kwargs)
+
+        setattr(os, name, slow)
+
+
+def _race_worker(url: str, barrier, results, index: int, what: str) -> None:
+    """Run ROUNDS rounds; in each, wait at the barrier, then try to take key ``r``."""
+    _slow_metadata_operations(0.005)
+    st = make_storage(url)
+    out = []
+    for r in range(ROUNDS):
+        barrier.wait(timeout=DEADLINE_S)
+        if what == "create":
+            won = st.create_exclusive(f"race/{r:03d}", f"{index}".encode())
+        else:
+            try:
+                acquire(st, f"buckets/0/p{r:03d}")
+                won = True
+            except LeaseHeldError:
+                won = False
+        out.append(won)
+    results.put((index, out))
+    if what == "lease":  # winners hold their leases (alive) until every result is in
+        barrier.wait(timeout=DEADLINE_S)
+
+
+def _race_processes(url: str, what: str) -> list[list[bool]]:
+    ctx = multiprocessing.get_context("fork")  # the workers need nothing but this module's function
+    barrier, results = ctx.Barrier(N_PROCS + (1 if what == "lease" else 0)), ctx.Queue()
+    procs = [ctx.Process(target=_race_worker, args=(url, barrier, results, i, what)) for i in range(N_PROCS)]
+    for p in procs:
+        p.start()
+    try:
+        if what == "lease":
+            for _ in range(ROUNDS):  # this process takes part in each round's barrier, not in the race
+                barrier.wait(timeout=DEADLINE_S)
+        got = dict(results.get(timeout=DEADLINE_S) for _ in procs)
+        if what == "lease":
+            barrier.wait(timeout=DEADLINE_S)
+    finally:
+        for p in procs:
+            p.join(timeout=DEADLINE_S)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [got[i] for i in range(N_PROCS)]
+
+
+def _one_winner_per_round(wins: list[list[bool]]) -> list[int]:
+    counts = [sum(w[r] for w in wins) for r in range(ROUNDS)]
+    assert counts == [1] * ROUNDS, f"winners per round: {counts}"
+    return [next(i for i, w in enumerate(wins) if w[r]) for r in range(ROUNDS)]
+
+
+@pytest.mark.parametrize("scheme", ["path", "file://"])
+def test_exclusive_create_raced_by_processes_at_a_barrier_has_one_winner(tmp_path, scheme, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    url = str(tmp_path) if scheme == "path" else f"file://{tmp_path}"
+    winners = _one_winner_per_round(_race_processes(url, "create"))
+    for r, i in enumerate(winners):  # the stored bytes are the winner's, complete
+        assert (tmp_path / f"race/{r:03d}").read_bytes() == f"{i}".encode()
+    assert not [p for p in (tmp_path / "race").iterdir() if p.name.endswith(".partial")]
+
+
+def test_part_leases_raced_by_processes_at_a_barrier_have_one_holder(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    _one_winner_per_round(_race_processes(str(tmp_path), "lease"))
+
+
+def test_exclusive_create_raced_by_threads_on_memory_storage_has_one_winner():
+    """``memory://`` lives in one process, so its contenders are threads. Its existence check answers late (as
+    a remote one would), so a check-then-write without mutual exclusion lets several threads through."""
+    st = make_storage("memory://safety-race")
+    real_exists = st.fs.exists
+
+    def slow_exists(path, **kw):
+        found = real_exists(path, **kw)
+        time.sleep(0.002)  # the answer is on its way while another thread writes
+        return found
+
+    barrier = threading.Barrier(N_PROCS)
+    wins = [[False] * ROUNDS for _ in range(N_PROCS)]
+
+    def run(i: int) -> None:
+        for r in range(ROUNDS):
+            barrier.wait(timeout=DEADLINE_S)
+            wins[i][r] = st.create_exclusive(f"race/{r:04d}", f"{i}".encode())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(N_PROCS)]
+    st.fs.exists = slow_exists
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=DEADLINE_S)
+    finally:
+        del st.fs.exists
+    try:
+        winners = _one_winner_per_round(wins)
+        for r, i in enumerate(winners):
+            assert st.get(f"race/{r:04d}") == f"{i}".encode()
+    finally:
+        st.remove_tree("")
+
+
+# ------------------------------------------------------------------------------------------------
+# verify: a valid shard from another part
+# ------------------------------------------------------------------------------------------------
+
+
+def test_verify_catches_a_valid_shard_copied_from_another_part(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    url = tmp_path / "c"
+    make_synthetic_cache(str(url), 24, lengths=[100 + i for i in range(24)], samples_per_part=8,
+                         bucket_edges=(64, 128), chunk_tokens=16, shard_tokens=64, seed=3)
+    parts = open_cache(str(url)).parts()
+    a, b = [p for p in parts if p.bucket == parts[0].bucket][:2]
+    shard_a, shard_b = (url / p.key / "features" / "c" / "0" / "0" for p in (a, b))
+    assert shard_a.read_bytes() != shard_b.read_bytes()
+    assert verify_cache(str(url)).ok
+    shutil.copyfile(shard_b, shard_a)  # a complete, self-consistent shard: only its contents are wrong
+    cache = open_cache(str(url))
+    cache.read_samples([int(cache.index().sample_ids[0])])  # zarr reads it fine: its own checksums pass
+    with pytest.raises(CacheCorruptError, match="crc32c") as err:
+        verify_cache(str(url))
+    assert (err.value.part, err.value.array) == (a.key, "features")
+
+
+# ------------------------------------------------------------------------------------------------
+# commit order
+# ------------------------------------------------------------------------------------------------
+
+
+class RecordingStorage:
+    """Delegates to a real storage and records the calls that decide durability and exclusivity."""
+
+    def __init__(self, inner, events: list):
+        self._inner, self.events = inner, events
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def put(self, key, data, durable=False):
+        self.events.append(("put", key, durable))
+        return self._inner.put(key, data, durable)
+
+    def create_exclusive(self, key, data, durable=False):
+        self.events.append(("create_exclusive", key, durable))
+        return self._inner.create_exclusive(key, data, durable)
+
+    def sync_tree(self, prefix):
+        self.events.append(("sync_tree", prefix))
+        return self._inner.sync_tree(prefix)
+
+
+def test_commit_makes_the_tree_durable_then_creates_the_record_exclusively(tmp_path, monkeypatch):
+    url = tmp_path / "c"
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    make_synthetic_cache(str(url), 4, lengths=[70] * 4, samples_per_part=4, bucket_edges=(64, 128),
+                         chunk_tokens=16, shard_tokens=64, seed=1)
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "1")
+    events: list = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # which file (or directory) each fsync made durable
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(storage_mod.os, "fsync", fsync)
+    cache = open_cache(str(url))
+    cache.storage = RecordingStorage(cache.storage, events)
+    g = torch.Generator().manual_seed(5)
+    with cache.part_writer(1, "recorded") as w:
+        for i in range(3):
+            w.add(1000 + i, torch.arange(70), torch.ones(70, dtype=torch.bool), synthetic_features(70, 3, 64, g))
+    part = url / "buckets" / "1" / "recorded"
+    commit_key = "buckets/1/recorded/" + COMMIT
+    assert ("put", commit_key, True) not in events and ("put", commit_key, False) not in events
+    created = [i for i, e in enumerate(events) if e[:2] == ("create_exclusive", commit_key)]
+    assert len(created) == 1 and events[created[0]][2] is True, events[-5:]
+    before = events[:created[0]]
+    assert ("sync_tree", "buckets/1/recorded") in before
+    synced = {e[1] for e in before if e[0] == "fsync"}
+    data_files = {str(p) for p in part.rglob("*") if p.is_file() and p.name != COMMIT
+                  and not p.name.startswith("lease.")}
+    assert data_files and data_files <= synced, sorted(data_files - synced)
+    # every directory of the part, and the part's entry in its bucket, too
+    dirs = {str(p) for p in part.rglob("*") if p.is_dir()} | {str(part), str(part.parent)}
+    assert dirs <= synced, sorted(dirs - synced)
+    assert verify_cache(str(url)).ok
