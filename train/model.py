@@ -198,6 +198,28 @@ _DERIVED_HF_KEYS = {
 # ----------------------------------------------------------------------------------------------
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """x [..., D] -> (x * rsqrt(mean(x^2) + eps) * weight) in x's dtype, computed in fp32; saves only x and
+    the fp32 rstd [..., 1] for backward (as a fused kernel does), on every device."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.float() * rstd  # [..., D]
+        g = grad.float()
+        gw = g * weight.float()
+        grad_x = rstd * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True)) if ctx.needs_input_grad[0] else None
+        grad_w = (g * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -205,8 +227,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalised in fp32 internally; the output keeps ``x``'s dtype (no fp32 activations under bf16)."""
-        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
+        """Normalised in fp32 inside; the output keeps ``x``'s dtype whatever autocast's op lists say.
+
+        CUDA autocast runs ``rms_norm`` in fp32 since torch 2.12: under it every norm output (the residual
+        stream, q/k, the loss head's input) would become fp32 and double those activations. So the norm runs
+        with autocast off, in the dtype of its input, which is the compute dtype the config chose
+        (``train.precision``); backward keeps only the input and one fp32 scale per row."""
+        if not _autocast_on(x.device):
+            return _RMSNormFn.apply(x, self.weight.to(x.dtype), self.eps)
+        with torch.autocast(x.device.type, enabled=False):
+            return _RMSNormFn.apply(x, self.weight.to(x.dtype), self.eps)
 
 
 class RotaryEmbedding(nn.Module):
