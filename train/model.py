@@ -15,7 +15,8 @@ Forward, for one batch (its R rows of T tokens flattened into one context of C =
            RoPE at document positions (context positions, p_a + 0..B-1 for the block at anchor a)
     out   = norm(h); logits = out @ lm_head.T           # through the chunked loss (train.objective)
 
-Everything runs in the compute dtype of its input (bf16 under autocast): RMSNorm and RoPE keep it, and
+Everything runs in the compute dtype of its input (bf16 under autocast): RMSNorm (also under CUDA autocast,
+whose op list would run it in fp32) and RoPE keep it, and
 with ``activation_checkpointing`` only each layer's input is kept for the backward pass.
 """
 
@@ -211,13 +212,16 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        # the chain rule in the order autograd takes it through torch's own rms_norm (bitwise the same
+        # gradients): y = (x * rstd) * w, rstd = rsqrt(mean(x^2) + eps)
         x, weight, rstd = ctx.saved_tensors
-        x_hat = x.float() * rstd  # [..., D]
-        g = grad.float()
-        gw = g * weight.float()
-        grad_x = rstd * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True)) if ctx.needs_input_grad[0] else None
-        grad_w = (g * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return (grad_x.to(x.dtype) if grad_x is not None else None), grad_w, None
+        xf, g = x.float(), grad.float()  # [..., D]
+        a = g * weight
+        grad_w = (g * (xf * rstd)).sum(dim=tuple(range(g.dim() - 1))).to(weight.dtype)
+        grad_rstd = (a * xf).sum(-1, keepdim=True)  # [..., 1]
+        grad_var = grad_rstd * (-0.5 * rstd.pow(3))
+        grad_x = a * rstd + (grad_var.expand_as(xf) / xf.shape[-1]) * (2 * xf)
+        return grad_x.to(x.dtype), grad_w, None
 
 
 class RMSNorm(nn.Module):
