@@ -267,3 +267,24 @@ def test_the_27b_preset_without_checkpointing_fits_an_h200(capsys):
     assert plain["breakdown_at_peak"]["device_peak"] == plain["peak_bytes"]
     # host: the checkpoint's snapshot of fp32 weights + AdamW moments (12 bytes per parameter) + loader buffers
     assert plain["host_peak_bytes"] == 12 * plain["drafter_params"] + plain["breakdown_at_peak"]["host_loader_buffers"]
+
+
+def test_phase_meter_reports_each_phases_peak_above_the_start():
+    """The CPU meter (the profiler's memory timeline split at the marks) on work of known sizes: a phase's peak
+    includes what earlier phases left alive and nothing freed before it."""
+    from train.memory import PhaseMeter
+
+    meter = PhaseMeter("cpu")
+    kept = torch.empty(2_000_000, dtype=torch.uint8)  # alive before the work: not counted
+
+    def work() -> torch.Tensor:
+        a = torch.empty(1_000_000, dtype=torch.uint8)
+        meter.mark("two")
+        b = torch.empty(3_000_000, dtype=torch.uint8)  # peak of "two": a + b
+        del b, a
+        meter.mark("three")
+        return torch.empty(500_000, dtype=torch.uint8)
+
+    out = meter.run(work, "one")
+    assert meter.peaks == {"one": 1_000_000, "two": 4_000_000, "three": 500_000}
+    assert out.numel() == 500_000 and kept.numel() == 2_000_000
