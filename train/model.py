@@ -200,28 +200,43 @@ _DERIVED_HF_KEYS = {
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """x [..., D] -> (x * rsqrt(mean(x^2) + eps) * weight) in x's dtype, computed in fp32; saves only x and
-    the fp32 rstd [..., 1] for backward (as a fused kernel does), on every device."""
+    """x [..., D] -> (x * rsqrt(mean(x^2) + eps) * weight) in x's dtype, computed in fp32 a slice of rows at a
+    time (its fp32 temporaries stay small whatever the rows: a fused kernel's memory, on every device); saves
+    only x and the fp32 rstd [rows, 1] for backward."""
+
+    CHUNK_ELEMENTS = 1 << 24  # elements per slice: ~64 MB per fp32 temporary
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        D = x.shape[-1]
+        rows = x.reshape(-1, D)  # [R, D]
+        out = torch.empty_like(rows)
+        rstd = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)  # [R, 1]
+        step = max(1, _RMSNormFn.CHUNK_ELEMENTS // D)
+        for s in range(0, rows.shape[0], step):
+            xf = rows[s:s + step].float()
+            rstd[s:s + step] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            out[s:s + step] = xf * rstd[s:s + step] * weight
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight).to(x.dtype)
+        return out.view(x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        # the chain rule in the order autograd takes it through torch's own rms_norm (bitwise the same
-        # gradients): y = (x * rstd) * w, rstd = rsqrt(mean(x^2) + eps)
+        # y = x_hat * w with x_hat = x * rstd: dx = rstd * (g*w - x_hat * mean(g*w * x_hat)), dw = sum(g * x_hat)
         x, weight, rstd = ctx.saved_tensors
-        xf, g = x.float(), grad.float()  # [..., D]
-        a = g * weight
-        grad_w = (g * (xf * rstd)).sum(dim=tuple(range(g.dim() - 1))).to(weight.dtype)
-        grad_rstd = (a * xf).sum(-1, keepdim=True)  # [..., 1]
-        grad_var = grad_rstd * (-0.5 * rstd.pow(3))
-        grad_x = a * rstd + (grad_var.expand_as(xf) / xf.shape[-1]) * (2 * xf)
-        return grad_x.to(x.dtype), grad_w, None
+        D = x.shape[-1]
+        rows, grows = x.reshape(-1, D), grad.reshape(-1, D)  # [R, D]
+        grad_x = torch.empty_like(rows)
+        grad_w = torch.zeros(D, dtype=torch.float32, device=x.device)
+        step = max(1, _RMSNormFn.CHUNK_ELEMENTS // D)
+        for s in range(0, rows.shape[0], step):
+            r = rstd[s:s + step]  # [c, 1]
+            x_hat = rows[s:s + step].float() * r
+            g = grows[s:s + step].float()
+            grad_w += (g * x_hat).sum(0)
+            gw = g * weight
+            grad_x[s:s + step] = r * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
+        return grad_x.view(x.shape), grad_w.to(weight.dtype), None
 
 
 class RMSNorm(nn.Module):
