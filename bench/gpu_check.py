@@ -7,7 +7,11 @@ Sections (each timed, each reported even when another fails; the whole run keeps
                        max abs difference of logits and of every gradient, bf16 autocast
 3. ``train_8b``        bf16-autocast training steps of the Qwen3-8B / Qwen3.6-27B-shaped drafters at the
    ``train_27b``       presets' worst step (8 documents x 2048 tokens, 512 anchors each: 65536 block
-                       positions): tokens/s, peak memory against ``dflash-train estimate``, MFU
+                       positions): tokens/s, MFU, the peak of each phase (forward, loss head, backward,
+                       optimizer) against ``dflash-train estimate``'s, and the dtypes reaching FlexAttention
+                       (q/k/v), the residual stream and the loss head (all bf16 expected)
+   ``train_27b_plain`` the same without activation checkpointing (the H200 option of the 27B preset); skipped
+                       where the estimate says it cannot fit the GPU
 4. ``loader_27b``      the streaming loader feeding the 27B-shaped drafter from a synthetic 27B-width cache on
                        local disk: share of step time spent waiting for data, queue depth
 5. ``h2d``             pinned host -> device copy bandwidth
@@ -24,6 +28,7 @@ script never rots); figures from a dry run mean nothing. Results: ``bench/result
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -33,6 +38,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +52,10 @@ from dflash_cache.runtime.dist import Distributed  # noqa: E402
 from dflash_cache.runtime.schema import GuardsConfig  # noqa: E402
 from train.batch import Batch  # noqa: E402
 from train.build import LossModule, build_optimizer, build_position_weighting, build_scheduler  # noqa: E402
+from train.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu  # noqa: E402
 from train.estimate import DrafterShape, Precision, StepShape, flops_per_step, memory_estimate  # noqa: E402
 from train.guards import SpikeGuard  # noqa: E402
+from train.memory import PHASES, measure_train_step  # noqa: E402
 from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
 from train.objective import FlatBatch, dflash_loss, sample_anchors  # noqa: E402
 from train.step import train_step  # noqa: E402
@@ -190,48 +198,72 @@ def flex_vs_sdpa(check: Check) -> dict[str, Any]:
             "grad_max_abs": float(ga[worst].abs().max()), "attention_compared": f"sdpa vs {attn}"}
 
 
-def train_steps(check: Check, preset: str) -> dict[str, Any]:
+def train_steps(check: Check, preset: str, checkpointing: bool | None = None) -> dict[str, Any]:
+    """bf16 training steps at the preset's worst step: speed, MFU, the peak of each phase (forward, loss head,
+    backward, optimizer) against ``dflash-train estimate``'s, and the dtypes reaching the attention kernel and
+    the loss head. ``--dry``: the same in bf16 on the CPU under CUDA autocast's fp32-norm rule (emulated)."""
     dcfg, cfg = preset_drafter(preset, check.dry)
     attn = "sdpa" if check.dry else "flex"
-    ckpt = cfg.model.activation_checkpointing
-    model = make_drafter(dcfg, check.device, attn, ckpt)
+    ckpt = cfg.model.activation_checkpointing if checkpointing is None else checkpointing
     # the presets' worst step: 8 documents of 2048 tokens, 512 anchors each (65536 block positions)
     rows, length, anchors = (2, 128, 16) if check.dry else (8, 2048, cfg.train.num_anchors)
+    shape = DrafterShape(dcfg.hidden_size, dcfg.vocab_size, len(dcfg.target_layer_ids), dcfg.num_hidden_layers,
+                         dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim, dcfg.intermediate_size,
+                         dcfg.block_size, False, sum(t == "sliding_attention" for t in dcfg.layer_types or []))
+    precision = Precision.for_device("cuda", "bf16")  # what a GPU run computes in (--dry: emulated on the CPU)
+    est_kw = dict(precision=precision, attention="flex" if attn == "flex" else "sdpa", checkpointing=ckpt,
+                  chunk_rows=cfg.train.logits_chunk_rows, foreach_optimizer=check.device.type == "cuda")
+    if checkpointing is not None:  # a variant: the preset's drafter kept for the loader section goes first
+        check.shared.pop("model_27b", None)
+        gc.collect()
+    if check.device.type == "cuda":  # a step the estimate says cannot fit is not attempted
+        torch.cuda.empty_cache()
+        worst = memory_estimate(shape, StepShape.worst(rows * length, rows * anchors * dcfg.block_size,
+                                                       dcfg.block_size, length / 2), **est_kw)
+        free = torch.cuda.mem_get_info(check.device)[0] + torch.cuda.memory_reserved(check.device)
+        if worst.device_peak > free:
+            return {"skipped": f"estimate {worst.device_peak / 2**30:.1f} GiB > {free / 2**30:.1f} GiB free",
+                    "activation_checkpointing": ckpt, "estimate_peak_bytes": worst.device_peak}
+    model = make_drafter(dcfg, check.device, attn, ckpt)
     batch = synthetic_batch(rows, length, 1, len(dcfg.target_layer_ids) * dcfg.hidden_size, dcfg.vocab_size,
                             check.device)
-    tcfg = cfg.train.model_copy(update={"num_anchors": anchors})
+    tcfg = cfg.train.model_copy(update={"num_anchors": anchors, "precision": "bf16"})
     opt = build_optimizer(tcfg, model)
     sched = build_scheduler(tcfg, opt, total_steps=100)
     guard = SpikeGuard(GuardsConfig(window=16, min_history=4, max_consecutive_skips=100))
     lm = LossModule(model, anchors, build_position_weighting(tcfg, dcfg.block_size), tcfg.logits_chunk_rows)
     d = Distributed(device=check.device)
     warmup, steps = (1, 2) if check.dry else (2, 4)
-    t_first = time.perf_counter()
-    for s in range(warmup):
-        train_step(s + 1, [batch], lm, opt, sched, guard, tcfg, d)
-    sync(check.device)
-    compile_s = time.perf_counter() - t_first
-    if check.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(check.device)
-    times = []
-    for s in range(steps):
-        t0 = time.perf_counter()
-        res = train_step(warmup + s + 1, [batch], lm, opt, sched, guard, tcfg, d)
+    emulate = cuda_autocast_rules_on_cpu() if check.dry else nullcontext()
+    with emulate:
+        t_first = time.perf_counter()
+        for s in range(warmup):
+            train_step(s + 1, [batch], lm, opt, sched, guard, tcfg, d)
         sync(check.device)
-        times.append(time.perf_counter() - t0)
+        compile_s = time.perf_counter() - t_first
+        times = []
+        for s in range(steps):
+            t0 = time.perf_counter()
+            res = train_step(warmup + s + 1, [batch], lm, opt, sched, guard, tcfg, d)
+            sync(check.device)
+            times.append(time.perf_counter() - t0)
+        # one more step, measured per phase (allocator peaks; the CPU profiler with --dry) and probed for dtypes
+        base = torch.cuda.memory_allocated(check.device) if check.device.type == "cuda" else None
+        with DtypeProbe(model) as probe:
+            measured, res = measure_train_step(
+                lambda: train_step(warmup + steps + 1, [batch], lm, opt, sched, guard, tcfg, d), lm, model, opt,
+                check.device)
     step_s = sorted(times)[len(times) // 2]
-    peak = torch.cuda.max_memory_allocated(check.device) if check.device.type == "cuda" else None
     blocks = res.metrics["n_blocks"]
-    shape = DrafterShape(dcfg.hidden_size, dcfg.vocab_size, len(dcfg.target_layer_ids), dcfg.num_hidden_layers,
-                         dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim, dcfg.intermediate_size,
-                         dcfg.block_size, False, sum(t == "sliding_attention" for t in dcfg.layer_types or []))
-    step_shape = StepShape(rows * length, blocks, blocks * (dcfg.block_size - 1), length / 2)
-    est = memory_estimate(shape, step_shape, precision=Precision.for_device(check.device.type),
-                          attention="flex" if attn == "flex" else "sdpa", checkpointing=ckpt,
-                          chunk_rows=tcfg.logits_chunk_rows)
+    step_shape = StepShape(rows * length, blocks, blocks * (dcfg.block_size - 1), length / 2, rows=rows)
+    est = memory_estimate(shape, step_shape, **est_kw)
+    phases = {name: {"measured_bytes": measured[name], "estimate_bytes": est.phases[name],
+                     "estimate_over_measured": round(est.phases[name] / measured[name], 3) if measured[name] else None}
+              for name in PHASES}
+    peak = base + max(measured.values()) if base is not None else None
     flops = flops_per_step(shape, step_shape)
     peak_tflops = device_peak_tflops(check.device)
-    if preset == "qwen3.6-27b":  # the loader section feeds this drafter (no second compile)
+    if preset == "qwen3.6-27b" and checkpointing is None:  # the loader section feeds this drafter (no second compile)
         check.shared["model_27b"] = (model, lm, opt, sched, guard, tcfg, dcfg)
     return {
         "params": shape.params, "activation_checkpointing": ckpt, "block_positions": blocks * dcfg.block_size,
@@ -240,6 +272,8 @@ def train_steps(check: Check, preset: str) -> dict[str, Any]:
         "block_positions_per_s": round(blocks * dcfg.block_size / step_s, 1),
         "peak_memory_bytes": peak, "estimate_peak_bytes": est.device_peak,
         "estimate_over_measured": round(est.device_peak / peak, 3) if peak else None,
+        "static_bytes": base, "estimate_static_bytes": est.static,
+        "phases_above_static": phases, "dtypes": probe.as_dict(), "precision": "bf16",
         "flops_per_step": flops, "mfu": round(flops / step_s / (peak_tflops * 1e12), 4) if peak_tflops else None,
         "device": torch.cuda.get_device_name(check.device) if check.device.type == "cuda" else "cpu",
         "loss": res.loss,
@@ -396,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         ("train_8b", lambda: train_steps(check, "qwen3-8b"), 90),
         ("train_27b", lambda: train_steps(check, "qwen3.6-27b"), 90),
         ("loader_27b", lambda: loader_feed(check), 60),
+        ("train_27b_plain", lambda: train_steps(check, "qwen3.6-27b", checkpointing=False), 90),
         ("h2d", lambda: h2d(check), 5),
         ("extract_8b", lambda: extract_teacher(check), 90),
     ]

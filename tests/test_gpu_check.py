@@ -18,12 +18,21 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     sections = res["sections"]
-    assert set(sections) == {"flex_vs_sdpa", "train_8b", "train_27b", "loader_27b", "h2d", "extract_8b"}
+    assert set(sections) == {"flex_vs_sdpa", "train_8b", "train_27b", "train_27b_plain", "loader_27b", "h2d",
+                             "extract_8b"}
     assert all(s["status"] == "ok" for s in sections.values()), sections
     assert sections["flex_vs_sdpa"]["layers"] == ["sliding_attention"] * 4 + ["full_attention"]
-    for name in ("train_8b", "train_27b"):
+    for name in ("train_8b", "train_27b", "train_27b_plain"):
         t = sections[name]
-        assert t["tokens_per_s"] > 0 and t["estimate_peak_bytes"] > 0 and t["activation_checkpointing"]
+        assert t["tokens_per_s"] > 0 and t["estimate_peak_bytes"] > 0
+        assert t["activation_checkpointing"] == (name != "train_27b_plain")
+        # every phase measured and estimated; the dry run is bf16 under CUDA autocast's norm rule (emulated)
+        assert set(t["phases_above_static"]) == {"forward", "loss_head", "backward", "optimizer"}
+        assert all(p["measured_bytes"] > 0 and p["estimate_bytes"] > 0 for p in t["phases_above_static"].values())
+        dtypes = t["dtypes"]
+        for place in ("attention_q", "attention_k", "attention_v", "residual", "loss_head_hidden", "loss_head_weight"):
+            assert dtypes[place] == ["bfloat16"], (name, dtypes)
+        assert dtypes["loss_head_weight_copied"] == ["False"]
     assert sections["loader_27b"]["steps"] >= 2 and 0 <= sections["loader_27b"]["data_wait_share"] <= 1
     assert sections["extract_8b"]["samples"] > 0 and sections["extract_8b"]["extract_over_bare"] > 0
     assert res["env"]["dry"] is True

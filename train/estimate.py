@@ -2,20 +2,27 @@
 
 The drafter's memory per step is counted from the shapes, term by term, the way this trainer allocates
 it (train/model.py, train/objective.py); nothing is loaded but the config (and the cache's small arrays
-when ``--cache`` is given). A step's peak is
+when ``--cache`` is given). Activations are in the compute dtype the config chose: the norms keep it under
+CUDA autocast too (train/model.py ``RMSNorm``) and the loss head never copies the lm_head to fp32 there.
+A step's device peak is ``static`` plus the largest of its four phases:
 
-    static   fp32 master weights + AdamW moments (+ bf16 weight copies under autocast) + the frozen
-             embedding / lm_head + the batch on the device
-    dynamic  activations saved for backward (per block position per layer, per context token per layer;
-             only each layer's input with activation checkpointing, plus one layer recomputed)
-             + the larger of: the loss head (one chunk of full-vocabulary logits, the counted rows' hidden
-             states and their gradient) and one layer's backward working set
-             + the parameters' gradients
+    static     fp32 master weights + optimizer moments + the frozen embedding / lm_head + the batch
+    forward    bf16 weight copies (autocast) + activations saved for backward (per block position and per
+               context token per layer; only each layer's input with activation checkpointing) + one
+               layer's transients
+    loss head  the same + the final hidden states, the counted rows and their gradient, one chunk of
+               full-vocabulary logits
+    backward   the larger of its start (every activation, the loss head's gradient, one layer recomputed
+               and its backward working set) and its end (every parameter's gradient alive)
+    optimizer  every gradient + the update's temporaries (foreach AdamW on CUDA: one fp32 weight copy)
+
+Host memory: the loader's buffers and a checkpoint's snapshot of weights + optimizer state (kept for reuse
+by the next save).
 
 Block positions per step (blocks x block_size) drive the activations; the plan bounds them
 (``loader.max_block_positions``) and ``--cache`` reports their real distribution. The same arithmetic is
-checked against measured peaks of real training steps on CPU (tests/test_estimate.py) and, on a GPU,
-by ``bench/gpu_check.py``.
+checked phase by phase against measured peaks of real training steps on CPU, fp32 and bf16 under CUDA
+autocast's norm rule (tests/test_estimate.py), and, on a GPU, by ``bench/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -103,36 +110,63 @@ class Precision:
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per component of one training step's peak (see the module docstring)."""
+    """Bytes per component of one training step (see the module docstring). Device memory is ``static`` plus,
+    at each of the step's four phases (:attr:`phases`), what that phase holds; the peak is the largest."""
 
     weights: int
     gradients: int
     optimizer_state: int
-    autocast_weight_copies: int
+    autocast_weight_copies: int  # bf16 copies of the weights: made in forward, each freed by its layer's backward
     frozen_head: int
     batch: int
-    activations: int  # saved for backward through the whole forward
+    activations: int  # saved for backward through the whole forward (the terms below included)
     per_layer: int  # what one layer saves (all of it without checkpointing)
     recomputed_layer: int  # with activation checkpointing: one layer's activations, rebuilt during backward
-    attention_workspace: int
-    loss_head: int
+    attention_workspace: int  # gradients of one layer's keys and values being formed
+    loss_head: int  # the loss head's own memory, on top of the activations
     backward_working_set: int  # one layer's gradients of activations and of its weights
     host_loader_buffers: int  # host memory, not on the device
     activation_terms: dict[str, int] = field(default_factory=dict)  # what ``activations`` sums, by name
+    rope_tables: int = 0  # cos/sin of the block rows' and the context's positions (in activations)
+    sdpa_masks: int = 0  # the dense path's additive masks, kept for the whole step (in activations)
+    context_activations: int = 0  # fc output, the fused context and its norm: freed only at backward's end
+    forward_workspace: int = 0  # a layer's transients in forward: its keys and values before concatenation
+    loss_head_residue: int = 0  # what the loss head leaves for backward: its input's gradient [N, H]
+    context_gradient: int = 0  # the fused context's gradient, summed over every layer during backward
+    optimizer_workspace: int = 0  # the update's temporaries (foreach AdamW: one fp32 copy of the weights)
+    checkpoint_snapshot: int = 0  # host memory: the checkpoint's copy of weights + optimizer state
+    layer_activations: int = 0  # what the layers save (their inputs only with checkpointing; in activations)
+    final_norm_input: int = 0  # the last layer's output, saved by the final norm (in activations)
 
     @property
     def static(self) -> int:
-        return self.weights + self.optimizer_state + self.autocast_weight_copies + self.frozen_head + self.batch
+        """Alive through the whole step: master weights, optimizer moments, frozen head, the batch."""
+        return self.weights + self.optimizer_state + self.frozen_head + self.batch
+
+    @property
+    def backward_start(self) -> int:
+        """Backward's first layer: every activation, the loss head's gradient, one layer's working set (rebuilt
+        first with checkpointing) and the bf16 weight copies that no layer's backward has freed yet."""
+        return (self.autocast_weight_copies + self.activations + self.loss_head_residue + self.context_gradient
+                + self.recomputed_layer + self.attention_workspace + self.backward_working_set)
+
+    @property
+    def backward_end(self) -> int:
+        """Backward's last part: every parameter's gradient alive, the layers' activations freed, the context's
+        activations and gradient still there (fc's backward is last)."""
+        return self.gradients + self.context_activations + self.context_gradient + self.rope_tables + self.sdpa_masks
 
     @property
     def phases(self) -> dict[str, int]:
-        """Dynamic bytes at the step's three high-water marks: the loss head (end of forward), the start of
-        backward, the optimizer update (every gradient, no activation)."""
+        """Device bytes above ``static`` at each phase's high-water mark: the forward (at its last layer), the
+        loss head, the backward (gradients alive: the larger of its start and its end) and the optimizer
+        update (every gradient, no activation)."""
+        held = self.autocast_weight_copies + self.activations
         return {
-            "loss_head": self.activations + self.loss_head,
-            "backward": self.activations + self.recomputed_layer + self.attention_workspace
-            + self.backward_working_set,
-            "optimizer": self.gradients + self.weights,  # the update's temporaries: about one copy of the weights
+            "forward": held + self.forward_workspace,
+            "loss_head": held + self.loss_head,
+            "backward": max(self.backward_start, self.backward_end),
+            "optimizer": self.gradients + self.optimizer_workspace,
         }
 
     @property
@@ -143,9 +177,15 @@ class MemoryEstimate:
     def device_peak(self) -> int:
         return self.static + self.dynamic_peak
 
+    @property
+    def host_peak(self) -> int:
+        """Host memory: the loader's buffers and, once a checkpoint is taken, its snapshot (kept for reuse)."""
+        return self.host_loader_buffers + self.checkpoint_snapshot
+
     def as_dict(self) -> dict[str, int]:
         out = dict(asdict(self))
-        out.update(static=self.static, dynamic_peak=self.dynamic_peak, device_peak=self.device_peak)
+        out.update(static=self.static, dynamic_peak=self.dynamic_peak, device_peak=self.device_peak,
+                   host_peak=self.host_peak, backward_start=self.backward_start, backward_end=self.backward_end)
         return out
 
 
@@ -157,16 +197,29 @@ def optimizer_state_bytes(shape: DrafterShape, optimizer: Optimizer) -> int:
     return 8 * (two_d + other)
 
 
+def optimizer_workspace_bytes(shape: DrafterShape, optimizer: Optimizer, foreach: bool) -> int:
+    """The update's temporaries. foreach AdamW (the default on CUDA) forms sqrt(v) for every parameter at once:
+    one fp32 copy of the weights; the per-parameter loop (CPU) and Muon hold a few copies of the largest one."""
+    H, d = shape.hidden, shape.head_dim
+    largest = max(shape.n_features * H * H, H * shape.intermediate, H * shape.heads * d)
+    if foreach and optimizer == "adamw":
+        return 4 * shape.params
+    return 3 * 4 * largest
+
+
 def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precision = Precision(),
                     attention: Literal["flex", "sdpa"] = "flex", checkpointing: bool = False,
-                    chunk_rows: int = 2048, optimizer: Optimizer = "adamw", loader_host_bytes: int = 0
-                    ) -> MemoryEstimate:
-    """The peak of one training step, term by term."""
+                    chunk_rows: int = 2048, optimizer: Optimizer = "adamw", loader_host_bytes: int = 0,
+                    foreach_optimizer: bool = True) -> MemoryEstimate:
+    """One training step's memory, term by term, as train/model.py and train/objective.py allocate it.
+
+    Every activation is in the compute dtype ``c`` (bf16 under autocast: the norms keep their input's dtype,
+    see ``RMSNorm``), except the norms' fp32 scale per row and the attention's fp32 log-sum-exp."""
     H, V, B, c = shape.hidden, shape.vocab, shape.block_size, precision.compute_bytes
     C, Q, N = step.context_tokens, step.blocks * B, step.counted_rows
     F = shape.n_features * H
-    qd, kvd, inter, heads = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate, shape.heads
-    K = C + Q  # keys per layer: context + block rows
+    d, heads, kvh, inter = shape.head_dim, shape.heads, shape.kv_heads, shape.intermediate
+    qd, kvd = heads * d, kvh * d
     P = shape.params
 
     weights = P * precision.param_bytes
@@ -174,50 +227,66 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
     head = V * H * precision.head_bytes * (1 if shape.tied_head else 2)
     batch = C * (F * 2 + 8 + 1 + 4 + 8)  # bf16 features; input_ids, loss_mask, doc_ids, position_ids
 
-    # saved for backward, per block position of one layer (elements): input norm out, q before/after norm
-    # and RoPE, k of the block rows before norm, the block rows' k and v in the concatenated keys, the
-    # attention output reshaped for o_proj, the residual after attention, post norm out, gate, silu(gate),
-    # up, gate*up, the layer output; and each RMSNorm's normalised input (its backward keeps it: input and
-    # post-attention norms, q_norm, k_norm)
-    per_q = H + 2 * qd + kvd + 2 * kvd + qd + H + H + 4 * inter + H + (2 * H + qd + kvd)
-    per_c = kvd + 2 * kvd + kvd  # context: k before and after its norm, its k and v in the concatenated keys
-    rope = 2 * (C + Q) * shape.head_dim * c
-    # fc out, hidden_norm's normalised input and output (+ the features converted to fp32 when not under autocast)
-    fused = 3 * C * H * c + (C * F * 4 if c == 4 else 0)
-    embed = Q * H * c
-    # fused kernels (FlexAttention on GPU, SDPA's flash kernel on CPU) keep the output and the log-sum-exp
-    attn_saved = heads * Q * shape.head_dim * c + heads * Q * 4
-    attn_transient = 3 * K * kvd * c  # gradients of k and v (and q) being formed
-    # the dense path (SDPA, row by row) keeps one additive float mask [Q_r, T + Q_r] per row and layer kind for
-    # the whole step: Q x (T + Q / rows) in all for rows of equal blocks
+    # saved per block row of one layer (elements): the residual stream entering each norm (input, post
+    # attention) and the norms' outputs (inputs of the projections); q before its norm, after it and its
+    # rotated half (RoPE), the attention's q; the block rows' k before its norm, after it and its rotated
+    # half, their k and v in the keys; the attention output and its [Q, n*d] copy for o_proj; the MLP's gate,
+    # silu(gate), up and their product. Per context token: the same for its k (norm, RoPE) and k, v in the keys.
+    per_q = 4 * H + (3 * qd + qd) + 3 * kvd + 2 * kvd + 2 * qd + 4 * inter
+    per_c = 3 * kvd + 2 * kvd
+    norm_rows = Q * (2 + heads + kvh) + C * kvh  # one fp32 scale per normalised row
+    attn_lse = heads * Q * 4  # the attention kernel's fp32 log-sum-exp
+    layer_full = (per_q * Q + per_c * C) * c + norm_rows * 4 + attn_lse
+    layers_saved = shape.layers * (Q * H * c if checkpointing else layer_full)  # inputs only when checkpointing
+
+    rope = 2 * (C + Q) * d * c  # cos and sin [L, d] of the block rows' and the context's positions
+    # the dense path (SDPA, row by row) keeps one additive mask [Q_r, T + Q_r] per row and layer kind for the
+    # whole step: Q x (T + Q / rows) in all for rows of equal blocks
     T = C // max(1, step.rows)
     mask = (1 + int(shape.sliding_layers > 0)) * Q * (T + Q // max(1, step.rows)) * c if attention == "sdpa" else 0
-    layer_full = (per_q * Q + per_c * C) * c + attn_saved
-    layers_saved = shape.layers * (Q * H * c if checkpointing else layer_full)  # inputs only when checkpointing
-    terms = dict(layers=layers_saved, fused=fused, embed=embed, rope=rope, sdpa_mask=mask,
-                 final_norm=2 * Q * H * c)  # final_norm: the final norm's input and output
+    # fc's output (hidden_norm's input), the fused context, hidden_norm's scales (+ the features converted to
+    # fp32 for fc when not under autocast)
+    context = 2 * C * H * c + C * 4 + (C * F * 4 if not precision.autocast else 0)
+    final = Q * H * c + Q * 4  # the final norm's input (its output is the loss head's, below)
+    terms = dict(layers=layers_saved, context=context, rope=rope, sdpa_mask=mask, final_norm=final)
     activations = sum(terms.values())
-    attention_ws = attn_transient
 
-    # the loss head: the counted rows' hidden states and their gradient, one chunk of logits (matmul output
-    # in the compute dtype, then fp32), and the lm_head in the compute dtype when it is stored otherwise
+    # forward transients at a layer: k and v of the context and of the block rows before concatenation, and
+    # (SDPA) the concatenated keys it slices per row; with checkpointing, also the layer's unsaved inside:
+    # the MLP's silu(gate), up and their product, and the residual stream around it
+    forward_ws = (2 + (2 if attention == "sdpa" else 0)) * (C + Q) * kvd * c
+    if checkpointing:
+        forward_ws = max(forward_ws, (3 * Q * inter + 2 * Q * H) * c)
+
+    # the loss head: the final norm's output [Q, H], the counted rows gathered [N, H] and their gradient
+    # [N, H]; one chunk of full-vocabulary logits (the matmul's output in the compute dtype, then fp32, and
+    # the softmax back in the compute dtype for the gradient); the lm_head cast to the compute dtype when it
+    # is stored otherwise (fp32 compute only: under autocast it is used as stored)
     chunk = min(chunk_rows, max(N, 1))
     chunk_logits = chunk * V * (4 + (c if c != 4 else 0))
-    head_cast = V * H * c if precision.head_bytes != c else 0
-    loss_head = 2 * N * H * c + chunk_logits + head_cast
+    head_cast = V * H * c if (precision.head_bytes != c and not precision.autocast) else 0
+    loss_head = Q * H * c + 2 * N * H * c + chunk_logits + head_cast
+    loss_residue = N * H * c
+
     gradients = P * precision.param_bytes
-    # one layer's backward: gradients of the MLP's [Q, I] intermediates and of the residual stream, and of
-    # the layer's weights (the last layer's are formed first)
+    # one layer's backward: the gradients of its [Q, I] and [Q, H] activations being formed while the saved
+    # ones they replace are freed (measured: about one of each net), and of the layer's weights (in the
+    # compute dtype, then fp32)
     two_d, _ = shape.param_counts()
     layer_weights = (two_d - shape.n_features * H * H) // max(1, shape.layers)
-    backward_ws = (3 * Q * inter + 3 * Q * H) * c + layer_weights * (precision.param_bytes + (2 if precision.autocast else 0))
+    backward_ws = (Q * inter + Q * H) * c + layer_weights * (precision.param_bytes + (2 if precision.autocast else 0))
+    attention_ws = 3 * (C + Q) * kvd * c  # gradients of k and v (and q) being formed
+    context_grad = C * H * c
     opt = optimizer_state_bytes(shape, optimizer)
     return MemoryEstimate(
         weights=weights, gradients=gradients, optimizer_state=opt, autocast_weight_copies=autocast_copies,
         frozen_head=head, batch=batch, activations=activations, per_layer=layer_full,
         recomputed_layer=layer_full if checkpointing else 0,
         attention_workspace=attention_ws, loss_head=loss_head, backward_working_set=backward_ws,
-        host_loader_buffers=loader_host_bytes, activation_terms=terms,
+        host_loader_buffers=loader_host_bytes, activation_terms=terms, rope_tables=rope, sdpa_masks=mask, context_activations=context,
+        forward_workspace=forward_ws, loss_head_residue=loss_residue, context_gradient=context_grad,
+        optimizer_workspace=optimizer_workspace_bytes(shape, optimizer, foreach_optimizer),
+        checkpoint_snapshot=weights + opt, layer_activations=layers_saved, final_norm_input=final,
     )
 
 
@@ -397,6 +466,7 @@ class EstimateReport:
                                          "source": f.source},
             "context_tokens_per_step": {"median": f.context_tokens_median, "max": f.context_tokens_max},
             "breakdown_at_peak": self.peak.as_dict(), "phases_at_peak": self.peak.phases,
+            "host_peak_bytes": self.peak.host_peak,
             "drafter_params": self.shape.params, "teacher_shapes_from": self.teacher_source,
             "device": self.device, "attention": self.attention, "flops_per_step": self.flops_per_step,
             "steps_per_epoch": f.steps_per_epoch, "tokens_per_epoch": f.tokens_per_epoch,
@@ -423,7 +493,8 @@ def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gp
         step = StepShape.worst(context_tokens, block_positions, B, figures.mean_doc_tokens)
         return memory_estimate(shape, step, precision=precision, attention=attention,
                                checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
-                               optimizer=getattr(cfg.train, "optimizer", "adamw"), loader_host_bytes=host)
+                               optimizer=getattr(cfg.train, "optimizer", "adamw"), loader_host_bytes=host,
+                               foreach_optimizer=device == "cuda")
 
     peak = at(figures.block_positions_max, figures.context_tokens_max)
     median = at(figures.block_positions_median, figures.context_tokens_median)
@@ -482,7 +553,7 @@ def format_report(r: EstimateReport) -> str:
         f"  weights (fp32 master)          {human(p.weights):>12}",
         f"  gradients (fp32)               {human(p.gradients):>12}",
         f"  optimizer state (fp32)         {human(p.optimizer_state):>12}",
-        f"  bf16 weight copies (autocast)  {human(p.autocast_weight_copies):>12}",
+        f"  bf16 weight copies (autocast)  {human(p.autocast_weight_copies):>12}  (until each layer's backward)",
         f"  frozen embedding + lm_head     {human(p.frozen_head):>12}",
         f"  batch on the device            {human(p.batch):>12}",
         f"  activations saved for backward {human(p.activations):>12}  ({s.layers} layers"
@@ -491,9 +562,13 @@ def format_report(r: EstimateReport) -> str:
         f"  attention workspace            {human(p.attention_workspace):>12}",
         f"  loss head (logits chunk ...)   {human(p.loss_head):>12}",
         f"  one layer's backward           {human(p.backward_working_set):>12}",
+        f"  static (weights, moments, head, batch) {human(p.static)}; on top of it, per phase: "
+        + ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in p.phases.items()),
         f"  peak: {human(p.device_peak)} (median step {human(r.median.device_peak)}) of {human(r.gpu_memory_bytes)} "
         f"({r.gpu_memory_source}): {'fits' if r.fits else 'DOES NOT FIT'}",
         f"  loader host buffers (host RAM) {human(p.host_loader_buffers):>12}",
+        f"  checkpoint snapshot (host RAM) {human(p.checkpoint_snapshot):>12}  (weights + optimizer state, kept "
+        f"for the next save); host peak {human(p.host_peak)}",
         f"compute: {r.flops_per_step / 1e12:.1f} TFLOP per median step",
     ]
     j = r.to_json()
@@ -529,7 +604,7 @@ def check_fits(cfg: Any, cache: Any, device: Any, total: int | None = None) -> N
                           precision=Precision.for_device("cuda", cfg.train.precision),
                           attention=attention_kind(cfg.model.attention, "cuda"),
                           checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
-                          optimizer=getattr(cfg.train, "optimizer", "adamw"))
+                          optimizer=getattr(cfg.train, "optimizer", "adamw"), foreach_optimizer=True)
     if est.device_peak > total:
         raise ConfigError(
             f"the largest step this config allows needs about {human(est.device_peak)} on the GPU, which has "

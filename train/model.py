@@ -15,7 +15,8 @@ Forward, for one batch (its R rows of T tokens flattened into one context of C =
            RoPE at document positions (context positions, p_a + 0..B-1 for the block at anchor a)
     out   = norm(h); logits = out @ lm_head.T           # through the chunked loss (train.objective)
 
-Everything runs in the compute dtype of its input (bf16 under autocast): RMSNorm and RoPE keep it, and
+Everything runs in the compute dtype of its input (bf16 under autocast): RMSNorm (also under CUDA autocast,
+whose op list would run it in fp32) and RoPE keep it, and
 with ``activation_checkpointing`` only each layer's input is kept for the backward pass.
 """
 
@@ -198,6 +199,46 @@ _DERIVED_HF_KEYS = {
 # ----------------------------------------------------------------------------------------------
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """x [..., D] -> (x * rsqrt(mean(x^2) + eps) * weight) in x's dtype, computed in fp32 a slice of rows at a
+    time (its fp32 temporaries stay small whatever the rows: a fused kernel's memory, on every device); saves
+    only x and the fp32 rstd [rows, 1] for backward."""
+
+    CHUNK_ELEMENTS = 1 << 24  # elements per slice: ~64 MB per fp32 temporary
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        D = x.shape[-1]
+        rows = x.reshape(-1, D)  # [R, D]
+        out = torch.empty_like(rows)
+        rstd = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)  # [R, 1]
+        step = max(1, _RMSNormFn.CHUNK_ELEMENTS // D)
+        for s in range(0, rows.shape[0], step):
+            xf = rows[s:s + step].float()
+            rstd[s:s + step] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            out[s:s + step] = xf * rstd[s:s + step] * weight
+        ctx.save_for_backward(x, weight, rstd)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        # y = x_hat * w with x_hat = x * rstd: dx = rstd * (g*w - x_hat * mean(g*w * x_hat)), dw = sum(g * x_hat)
+        x, weight, rstd = ctx.saved_tensors
+        D = x.shape[-1]
+        rows, grows = x.reshape(-1, D), grad.reshape(-1, D)  # [R, D]
+        grad_x = torch.empty_like(rows)
+        grad_w = torch.zeros(D, dtype=torch.float32, device=x.device)
+        step = max(1, _RMSNormFn.CHUNK_ELEMENTS // D)
+        for s in range(0, rows.shape[0], step):
+            r = rstd[s:s + step]  # [c, 1]
+            x_hat = rows[s:s + step].float() * r
+            g = grows[s:s + step].float()
+            grad_w += (g * x_hat).sum(0)
+            gw = g * weight
+            grad_x[s:s + step] = r * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
+        return grad_x.view(x.shape), grad_w.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -205,8 +246,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalised in fp32 internally; the output keeps ``x``'s dtype (no fp32 activations under bf16)."""
-        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
+        """Normalised in fp32 inside; the output keeps ``x``'s dtype whatever autocast's op lists say.
+
+        CUDA autocast runs ``rms_norm`` in fp32 since torch 2.12: under it every norm output (the residual
+        stream, q/k, the loss head's input) would become fp32 and double those activations. So the norm runs
+        with autocast off, in the dtype of its input, which is the compute dtype the config chose
+        (``train.precision``); backward keeps only the input and one fp32 scale per row."""
+        if not _autocast_on(x.device):
+            return _RMSNormFn.apply(x, self.weight.to(x.dtype), self.eps)
+        with torch.autocast(x.device.type, enabled=False):
+            return _RMSNormFn.apply(x, self.weight.to(x.dtype), self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -216,6 +216,19 @@ class DPaceWeighting:
 # ----------------------------------------------------------------------------------------------
 
 
+def head_operands(hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``(hidden, weight)`` in the loss head's compute dtype: autocast's when it is on for their device (the
+    frozen lm_head is stored in it, bf16, so no copy of it is made), else ``hidden``'s. Never an fp32 copy
+    of the lm_head under autocast, whatever dtype ``hidden`` arrives in."""
+    dtype = hidden.dtype
+    try:
+        if torch.is_autocast_enabled(hidden.device.type):
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+    except RuntimeError:  # a device autocast does not know (meta)
+        pass
+    return hidden.to(dtype), weight if weight.dtype == dtype else weight.to(dtype)
+
+
 def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
     """[c, H] @ [V, H]^T -> fp32 logits [c, V] (the matmul in h's dtype, fp32 from there on)."""
     return (h @ weight.t()).float()
@@ -229,19 +242,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     chunk by chunk during the forward (when ``hidden`` requires it) and kept, [N, H], until backward scales
     row i by dLoss/dCE_i. So the weights the caller puts on the rows may depend on the CE values themselves
     (D-PACE) and still cost no second pass over the vocabulary. ``weight`` (the frozen lm_head) gets no
-    gradient. Logits are formed in ``hidden``'s dtype; the softmax, log-sum-exp and CE run in fp32."""
+    gradient. Logits are formed in the compute dtype (:func:`head_operands`); the softmax, log-sum-exp and CE
+    run in fp32."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
         N = hidden.shape[0]
-        w_mat = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)  # [V, H]
+        h_mat, w_mat = head_operands(hidden, weight)  # [N, H], [V, H] in the compute dtype
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if need_grad else None
         ce = torch.empty(N, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(N, dtype=torch.long, device=hidden.device)
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
-            z = _chunk_logits(hidden[s:e], w_mat)  # [c, V] fp32
+            z = _chunk_logits(h_mat[s:e], w_mat)  # [c, V] fp32
             tgt = targets[s:e].unsqueeze(1)  # [c, 1]
             pred[s:e] = z.argmax(-1)
             z_tgt = z.gather(1, tgt).squeeze(1)  # [c]
@@ -252,7 +266,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if grad is not None:
                 z.div_(sum_exp)  # softmax
                 z.scatter_add_(1, tgt, torch.full_like(z_tgt, -1.0).unsqueeze(1))  # softmax - onehot
-                grad[s:e] = z.to(hidden.dtype) @ w_mat  # [c, H]
+                grad[s:e] = z.to(w_mat.dtype) @ w_mat  # [c, H]
             del z
         ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
         ctx.mark_non_differentiable(pred)
@@ -273,7 +287,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
 @torch.no_grad()
 def chunked_argmax(hidden: Tensor, weight: Tensor, chunk: int = DEFAULT_CHUNK_ROWS) -> Tensor:
     """Greedy predictions [N] of hidden [N, H], ``chunk`` rows of logits at a time."""
-    w_mat = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    hidden, w_mat = head_operands(hidden, weight)
     return torch.cat([_chunk_logits(hidden[s:s + chunk], w_mat).argmax(-1)
                       for s in range(0, hidden.shape[0], chunk)]) if hidden.shape[0] else \
         torch.empty(0, dtype=torch.long, device=hidden.device)
