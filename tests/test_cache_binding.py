@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fixtures.trainer import run_train, small_cache
 
 from dflash_cache import open_cache
 from dflash_cache.cli import main as cli_main
-from fixtures.trainer import run_train, small_cache
 
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",
         "loader.tokens_per_batch=512", "train.num_anchors=16", "metrics.tensorboard=false", "train.max_steps=2",

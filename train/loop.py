@@ -71,14 +71,16 @@ class HeldoutEval:
     Every eligible anchor is scored, so it draws no random numbers: a resumed run stays bitwise exact.
     """
 
-    def __init__(self, cache: Any, sample_ids: Any, max_blocks: int | None):
+    def __init__(self, cache: Any, sample_ids: Any, max_blocks: int | None, skip_corrupt: bool = False):
         self.cache, self.sample_ids, self.max_blocks = cache, sample_ids, max_blocks
+        self.skip_corrupt = skip_corrupt  # loader.on_corrupt = skip applies here too
 
     def evaluate(self, model: nn.Module) -> dict[str, Any]:
         from .evaluate import teacher_forced_eval
 
         t0 = time.perf_counter()
-        res = teacher_forced_eval(model, self.cache, self.sample_ids, max_blocks=self.max_blocks)
+        res = teacher_forced_eval(model, self.cache, self.sample_ids, max_blocks=self.max_blocks,
+                                  skip_corrupt=self.skip_corrupt)
         time.sleep(float(env_switch(EVAL_DELAY_ENV, "0") or 0))
         return {"eval/acceptance_length": res.acceptance_length, "eval/n_blocks": res.n_blocks,
                 "eval/seconds": time.perf_counter() - t0}
@@ -87,12 +89,13 @@ class HeldoutEval:
 def build_heldout_eval(cfg: PipelineConfig, cache: Any) -> HeldoutEval | None:
     from .evaluate import holdout_sample_ids
 
-    ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction)
+    skip = cfg.loader.on_corrupt == "skip"
+    ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction, skip_corrupt=skip)
     if len(ids) == 0:
         log.warning("eval.every_steps is set but the cache has no held-out samples at loader.holdout_fraction=%s; "
                     "periodic evaluation is off", cfg.loader.holdout_fraction)
         return None
-    return HeldoutEval(cache, ids, cfg.eval.max_blocks)
+    return HeldoutEval(cache, ids, cfg.eval.max_blocks, skip_corrupt=skip)
 
 
 def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResult:
