@@ -89,7 +89,7 @@ def _normalize_content(content: Any, where: str) -> str:
                 found = (f"a {type(part).__name__}" if not isinstance(part, dict) else
                          f"type {kind!r}" if kind != "text" else f"text of type {type(text).__name__}")
                 raise DataError(f"{where}: content part {i} is {found}; only {{\"type\": \"text\", \"text\": "
-                                "string}} parts are supported (fix the record, or pass --skip-bad to skip it)")
+                                "string} parts are supported (fix the record, or pass --skip-bad to skip it)")
             texts.append(_text(text, where))
         return "".join(texts)
     raise DataError(f"{where}: message content must be a string or a list of text parts, found {type(content).__name__}")
