@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from .checkpoint import Checkpointer, find_latest
 from .estimate import check_fits
 from .guards import SpikeGuard, TooManySkipsError
 from .metrics import MetricLogger, StepTimer
+from .multinode import RankWatch
 from .rundir import RunDir
 from .signals import SignalFlag, TrainingInterrupted
 from .state import resume, training_state
@@ -100,15 +102,22 @@ def build_heldout_eval(cfg: PipelineConfig, cache: Any) -> HeldoutEval | None:
 
 def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResult:
     """Train (or resume) a drafter on the cache at ``cache_url``, writing everything into ``run_dir``."""
-    d = Distributed.start()
+    d = Distributed.start(collective_timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+    watch = RankWatch(d, cfg.train.collective_timeout_s)
     try:
         with RunDir.claim(run_dir, d) as run:  # one trainer per run dir; exit 2 if it cannot be written
-            return _train(cfg, open_training_cache(cache_url, cfg.loader), run, d)
+            return _train(cfg, open_training_cache(cache_url, cfg.loader), run, d, watch)
+    except RuntimeError as err:  # (torch's DistBackendError too) a collective that gave up on a rank
+        named = watch.explain(err)
+        if named is None:
+            raise
+        raise named from None
     finally:
         d.close()
 
 
-def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed) -> TrainResult:
+def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed, watch: RankWatch | None = None
+           ) -> TrainResult:
     log.info("training: %s", d.describe())  # a collective: every rank calls it
     budget_cpu_threads(d.device, cfg.loader.num_readers, d.local_world_size)
     check_fits(cfg, cache, d.device)  # before any GPU memory is taken: the worst step must fit
@@ -156,6 +165,8 @@ def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed) -> Trai
             res = train_step(step, micro, loss_module, optimizer, scheduler, guard, cfg.train, d, faults)
             record = _step_record(res, micro, loader, guard, data_wait_ms, timer.lap(), d.world_size)
             metrics.log(step, record)  # before the slow work below: a kill during it loses no step
+            if watch is not None:
+                watch.beat(step)
             _update_progress(progress, res, record)
             if res.verdict.skip:
                 _log_skip(step, res, micro)
