@@ -113,6 +113,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
             raise
         raise named from None
     finally:
+        watch.close()
         d.close()
 
 

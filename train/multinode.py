@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import socket
+import threading
 import time
 from typing import Any
 
@@ -50,28 +51,44 @@ def agree_on_resume(d: Distributed, step: int, fingerprint: str, run_dir: Any) -
 
 
 class RankWatch:
-    """Each rank notes its last finished step in the rendezvous store; when a collective times out,
-    :meth:`explain` names the ranks that stopped reporting."""
+    """Each rank notes in the rendezvous store its last finished step and, from a daemon thread, that it
+    is alive; when a collective times out, :meth:`explain` names the ranks that stopped reporting (dead,
+    frozen or stalled nodes), else those behind."""
 
     def __init__(self, d: Distributed, timeout_s: float):
         self.d, self.timeout_s = d, timeout_s
         self.host = socket.gethostname()
-        self.beat(0)
+        self.interval_s = max(0.5, min(10.0, timeout_s / 6))
+        self.step = 0
+        self._stop = threading.Event()
+        if d.enabled and d.store is not None:
+            self._note()
+            threading.Thread(target=self._run, name="dflash-rank-alive", daemon=True).start()
 
     def beat(self, step: int) -> None:
-        if self.d.enabled and self.d.store is not None:
-            try:
-                self.d.store.set(f"{_ALIVE}/{self.d.rank}", json.dumps({"step": step, "t": time.time(),
-                                                                         "host": self.host}))
-            except Exception as err:  # noqa: BLE001 -- the store's host is gone: the collective will say so
-                log.debug("could not note progress in the rendezvous store: %s", err)
+        self.step = step
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _note(self) -> None:
+        try:
+            self.d.store.set(f"{_ALIVE}/{self.d.rank}", json.dumps({"step": self.step, "t": time.time(),
+                                                                     "host": self.host}))
+        except Exception as err:  # noqa: BLE001 -- the store's host is gone: the collective will say so
+            log.debug("could not note progress in the rendezvous store: %s", err)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._note()
 
     def explain(self, err: BaseException) -> DFlashError | None:
         """A one-line error for a collective that timed out (None: ``err`` is not such a timeout)."""
-        text = str(err)
-        if not self.d.enabled or not any(s in text.lower() for s in ("timed out", "timeout", "connection closed",
-                                                                     "connection reset")):
+        text = str(err).lower()
+        if not self.d.enabled or not any(s in text for s in ("timed out", "timeout", "connection closed",
+                                                             "connection reset")):
             return None
+        self.close()
         seen = {}
         try:
             for r in range(self.d.world_size):
@@ -83,14 +100,14 @@ class RankWatch:
                                "(train.collective_timeout_s) and the rendezvous store is unreachable: rank 0's node "
                                "died or hangs. Restart the job: it resumes from the last checkpoint")
         now = time.time()
-        newest = max((v["step"] for v in seen.values()), default=0)
-        behind = sorted(r for r in range(self.d.world_size)
-                        if r not in seen or seen[r]["step"] < newest or now - seen[r]["t"] > self.timeout_s)
-        if not behind:
-            behind = sorted(r for r in seen if r != self.d.rank)
+        others = [r for r in range(self.d.world_size) if r != self.d.rank]
+        silent = [r for r in others if r not in seen or now - seen[r]["t"] > 3 * self.interval_s]
+        if not silent:
+            low = min((seen[r]["step"] for r in others), default=0)
+            silent = [r for r in others if seen[r]["step"] == low]
         names = ", ".join(
-            f"rank {r}" + (f" on {seen[r]['host']} (last step {seen[r]['step']}, {now - seen[r]['t']:.0f} s ago)"
-                           if r in seen else " (never reported)") for r in behind)
+            f"rank {r}" + (f" on {seen[r]['host']} (last step {seen[r]['step']}, last heard {now - seen[r]['t']:.0f} s "
+                           "ago)" if r in seen else " (never reported)") for r in silent)
         return DFlashError(f"rank {self.d.rank}: a collective waited {self.timeout_s:.0f} s (train.collective_timeout_s)"
                            f" for {names}: it died or hangs. Stop the job, check that node, and restart: it resumes "
                            "from the last checkpoint")
