@@ -4,10 +4,12 @@ read correctly), never a traceback, and nothing that verify rejects is trained o
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from fixtures.trainer import run_train, small_cache
+from fixtures.trainer import ROOT, run_train, small_cache, train_argv, train_env
 
 from dflash_cache import create_cache, open_cache, verify_cache
 from dflash_cache import store as store_mod
@@ -17,6 +19,7 @@ from dflash_cache.synthetic import make_synthetic_cache
 
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.tokens_per_batch=512",
         "train.num_anchors=16", "metrics.tensorboard=false", "train.max_steps=2", "checkpoint.every_steps=100000"]
+# (later --set values win: the full-disk test turns TensorBoard on and checkpoints every 2 steps)
 
 
 def _cache(tmp_path: Path, name: str = "cache") -> Path:
@@ -104,3 +107,20 @@ def test_a_commit_record_of_another_cache_fingerprint_is_refused_by_reader_and_v
     assert cli_main(["verify", str(url)]) == 2
     assert "written for cache fingerprint 0123456789abcdef" in capsys.readouterr().err
     _one_line_error(run_train(BASE + ["loader.holdout_fraction=0.0"], str(url), tmp_path / "run", expect=2))
+
+
+@pytest.mark.parametrize("size", ["60k", "450k"])
+def test_a_real_full_disk_at_a_checkpoint_with_tensorboard_on_is_one_line(tmp_path, size):
+    """The run dir on a small tmpfs (private mount namespace), TensorBoard writing beside the checkpoints."""
+    url = _cache(tmp_path)
+    small = tmp_path / "small"
+    small.mkdir()
+    argv = train_argv(BASE + ["loader.holdout_fraction=0.0", "metrics.tensorboard=true"], str(url), small / "run",
+                      "train.max_steps=6", "checkpoint.every_steps=2")
+    cmd = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size="$0" tmpfs "$1" && shift && exec "$@"', size,
+           str(small), sys.executable, "-m", "train.cli", *argv]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=train_env())
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "No space left on device" in last and str(small / "run") in last
