@@ -224,7 +224,7 @@ def bench_blosc_decode(cache_dir: Path) -> dict[str, float]:
     part = cache.parts()[0]
     chunks = []
     for shard in range(-(-part.n_tokens // part.shard_tokens)):
-        blob = (cache_dir / part.key / "features" / "c" / str(shard) / "0").read_bytes()
+        blob = (cache_dir / part.data_key / "features" / "c" / str(shard) / "0").read_bytes()
         n_inner = part.shard_tokens // part.chunk_tokens
         idx = np.frombuffer(blob[-16 * n_inner - 4:-4], "<u8").reshape(-1, 2)
         chunks += [np.frombuffer(blob, np.uint8, int(n) - 4, int(o)) for o, n in idx if o != 2**64 - 1]

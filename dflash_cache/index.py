@@ -53,8 +53,8 @@ class CacheIndex:
 
 def _part_arrays(storage: Storage, part: PartInfo) -> tuple[np.ndarray, np.ndarray]:
     lay = layouts_for(part)
-    ids = ArrayReader(storage, lay["sample_ids"], part.key).read(0, part.n_samples)
-    offsets = ArrayReader(storage, lay["offsets"], part.key).read(0, part.n_samples + 1)
+    ids = ArrayReader(storage, lay["sample_ids"], part.key).read_all()
+    offsets = ArrayReader(storage, lay["offsets"], part.key).read_all()
     if offsets[0] != 0 or offsets[-1] != part.n_tokens or np.any(np.diff(offsets) <= 0):
         raise CacheCorruptError(f"part {part.key}: offsets do not run from 0 to n_tokens={part.n_tokens} in "
                                 "increasing steps; run `dflash-cache verify`", part=part.key, array="offsets")

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CacheError
-from .parts import COMMIT
+from .parts import COMMIT, gen_of
+from .runtime.switches import env_switch
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ def _read_proc(path: str) -> str | None:
 def _pid_namespace() -> str:
     """``host/boot id/pid-namespace inode``: equal iff a pid recorded by the other process means the same
     process here."""
+    override = env_switch("DFLASH_TEST_LEASE_HOST")  # tests: act as another host (liveness by heartbeat)
+    if override:
+        return override
     try:
         ns = str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
@@ -204,16 +208,29 @@ class PartLease:
 
     def beat(self) -> None:
         with self._lock:
-            if not self._released:
+            if self._released:
+                return
+            try:  # never brings back a lease that another process removed (it took the part over)
+                mine = json.loads(self.storage.get(self.file)).get("token") == self.token
+            except (FileNotFoundError, ValueError, AttributeError):
+                mine = False
+            if mine:
                 self.storage.put(self.file, self.record())
 
     def clear_leftovers(self) -> None:
-        """Remove what an earlier (dead) writer left in the part, except lease files. Never runs on a
-        committed part."""
+        """Remove what earlier (dead) writers left in the part: their generations' directories (fenced:
+        see :mod:`dflash_cache.fence`) and files of the older single-directory layout. Never runs on a
+        committed part; never touches this or a newer generation, lease files or seals."""
+        from .fence import discard_generation, seal_gen
+
         if self.storage.exists(f"{self.key}/{COMMIT}"):
             raise PartCommittedError(f"part {self.key} is already committed; a part is written once")
         for name in self.storage.list_dir(self.key):
-            if not is_lease_file(name):
+            g = gen_of(name)
+            if g is not None:
+                if g < self.gen:
+                    discard_generation(self.storage, self.key, g)
+            elif not (is_lease_file(name) or seal_gen(name) is not None or name in ("zarr.json", COMMIT)):
                 self.storage.remove_entry(f"{self.key}/{name}")
 
     def release(self, remove_dir: bool = False) -> None:

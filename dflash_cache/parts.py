@@ -14,6 +14,18 @@ LEASE = "writing.json"
 FEATURE_ARRAYS = ("features", "scales")  # token-sharded arrays
 SMALL_ARRAYS = ("input_ids", "loss_mask", "target_argmax", "offsets", "sample_ids")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_GEN = re.compile(r"^g(\d{6,})$")
+
+
+def gen_dir(gen: int) -> str:
+    """The directory (inside the part) that the writer holding lease generation ``gen`` writes into."""
+    return f"g{gen:06d}"
+
+
+def gen_of(name: str) -> int | None:
+    """The generation of a part's data directory name (``g000003`` -> 3), else None."""
+    m = _GEN.match(name)
+    return int(m.group(1)) if m else None
 
 
 def check_part_name(name: str) -> str:
@@ -40,10 +52,18 @@ class PartInfo:
     arrays: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
     chunk_tokens: int = 256
     shard_tokens: int = 16384
+    generation: int | None = None  # the writer's lease generation; its data is under ``data_key``
+    cache_fingerprint: str | None = field(default=None, compare=False)
 
     @property
     def key(self) -> str:
         return part_key(self.bucket, self.name)
+
+    @property
+    def data_key(self) -> str:
+        """Where the part's zarr group (arrays) lives: ``<key>/g<generation>`` (``<key>`` in records of
+        format 1, written before writers had a directory of their own)."""
+        return self.key if self.generation is None else f"{self.key}/{gen_dir(self.generation)}"
 
     @property
     def has_target_argmax(self) -> bool:
@@ -56,7 +76,8 @@ class PartInfo:
 
     def to_record(self, fingerprint: str) -> dict[str, Any]:
         return {
-            "format_version": 1, "cache_fingerprint": fingerprint, "bucket": self.bucket, "name": self.name,
+            "format_version": 2, "cache_fingerprint": fingerprint, "bucket": self.bucket, "name": self.name,
+            "generation": self.generation,
             "n_samples": self.n_samples, "n_tokens": self.n_tokens, "codec": self.codec,
             "chunk_tokens": self.chunk_tokens, "shard_tokens": self.shard_tokens,
             "meta": self.meta, "arrays": self.arrays,
@@ -91,8 +112,10 @@ class PartInfo:
             return cls(bucket=int(rec["bucket"]), name=str(rec["name"]), n_samples=int(rec["n_samples"]),
                        n_tokens=int(rec["n_tokens"]), meta=dict(rec.get("meta") or {}), codec=str(rec["codec"]),
                        arrays=dict(rec["arrays"]), chunk_tokens=int(rec["chunk_tokens"]),
-                       shard_tokens=int(rec["shard_tokens"]))
-        except (ValueError, KeyError, TypeError) as err:
+                       shard_tokens=int(rec["shard_tokens"]),
+                       generation=None if rec.get("generation") is None else int(rec["generation"]),
+                       cache_fingerprint=rec.get("cache_fingerprint"))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise CacheCorruptError(f"part {key}: commit record {COMMIT} is unreadable ({err}); "
                                     "run `dflash-cache verify` and re-extract this part",
                                     part=key, array=COMMIT) from None

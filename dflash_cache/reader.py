@@ -57,6 +57,10 @@ class ArrayLayout:
     chunk_rows: int  # inner chunk length (sharded) or chunk length
     shard_rows: int | None  # None: unsharded
     decoder: ChunkDecoder
+    # binding to the commit record: the crc32c ending each shard's index (sharded arrays), or of the
+    # whole array (small arrays); None in records written before they were recorded
+    index_crcs: tuple[int, ...] | None = None
+    crc32c: int | None = None
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -78,11 +82,12 @@ def layouts_for(part: PartInfo) -> dict[str, ArrayLayout]:
         shape = tuple(int(s) for s in a["shape"])
         if name in ("features", "scales"):
             dec = feature_decoder(part.codec) if name == "features" else _SMALL_DECODER
-            out[name] = ArrayLayout(f"{part.key}/{name}", shape, np.dtype(a["dtype"]), part.chunk_tokens,
-                                    part.shard_tokens, dec)
+            crcs = a.get("shard_index_crc32c")
+            out[name] = ArrayLayout(f"{part.data_key}/{name}", shape, np.dtype(a["dtype"]), part.chunk_tokens,
+                                    part.shard_tokens, dec, index_crcs=None if crcs is None else tuple(crcs))
         else:
-            out[name] = ArrayLayout(f"{part.key}/{name}", shape, np.dtype(a["dtype"]), max(shape[0], 1), None,
-                                    _SMALL_DECODER)
+            out[name] = ArrayLayout(f"{part.data_key}/{name}", shape, np.dtype(a["dtype"]), max(shape[0], 1), None,
+                                    _SMALL_DECODER, crc32c=a.get("crc32c"))
     return out
 
 
@@ -120,12 +125,27 @@ class ArrayReader:
             raw = self.storage.get_suffix(key, want)
         except FileNotFoundError:
             raise self._corrupt(f"shard {key} is missing") from None
-        if len(raw) < want or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        stored = int.from_bytes(raw[-4:], "little")
+        if len(raw) < want or crc32c(raw[:-4]) != stored:
             raise self._corrupt(f"shard {key} is truncated or its index checksum fails")
+        bound = lay.index_crcs
+        if bound is not None and (shard >= len(bound) or int(bound[shard]) != stored):
+            raise self._corrupt(f"shard {key} is not the one its commit record names (its index checksum differs: "
+                                "a shard from another part or an earlier writer)")
         idx = np.frombuffer(raw[:-4], dtype="<u8").reshape(n_inner, 2)
         with self._lock:
             self._index_cache[shard] = idx
         return idx
+
+    def read_all(self) -> np.ndarray:
+        """The whole array, checked against the commit record's crc32c when it has one (small arrays:
+        this binds them to the part)."""
+        out = self.read(0, self.layout.shape[0])
+        want = self.layout.crc32c
+        if want is not None and crc32c(out) != int(want):
+            raise self._corrupt("crc32c of the data differs from the commit record (an empty, foreign or "
+                                "damaged chunk)")
+        return out
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` as a new C-contiguous array."""
@@ -229,7 +249,7 @@ class PartReader:
     def small(self, name: str) -> np.ndarray:
         arr = self._small.get(name)
         if arr is None:
-            arr = self.readers[name].read(0, self.layouts[name].shape[0])
+            arr = self.readers[name].read_all()
             self._small[name] = arr
         return arr
 

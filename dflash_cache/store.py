@@ -20,6 +20,7 @@ from .errors import (
     SampleNotFoundError,
     SpecMismatchError,
 )
+from .fence import garbage_of_committed, remove_dead_seals, remove_garbage_of_committed
 from .head import HEAD_KEY, decode_head, encode_head
 from .index import CacheIndex, build_index
 from .lease import LEASE_TIMEOUT_S, LeaseHeldError, PartCommittedError, PartLease, acquire, live_holder
@@ -152,7 +153,7 @@ class FeatureCache:
             key = part_key(b, name)
             try:
                 raw = self.storage.get(f"{key}/{COMMIT}")
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # uncommitted, or a stray file (verify lists it)
                 continue
             try:
                 info = PartInfo.from_record(raw, key)
@@ -163,12 +164,34 @@ class FeatureCache:
                 bad.append(CacheCorruptError(f"part {key}: its commit record names {part_key(info.bucket, info.name)};"
                                              " a part directory was moved or copied", part=key, array=COMMIT))
                 continue
+            if info.cache_fingerprint != self.spec.fingerprint:
+                bad.append(CacheCorruptError(
+                    f"part {key}: its commit record was written for cache fingerprint {info.cache_fingerprint}, this "
+                    f"cache is {self.spec.fingerprint} (another job wrote into this cache with another spec, or the "
+                    "part was copied from another cache); delete the part's directory and rerun dflash-extract",
+                    part=key, array=COMMIT))
+                continue
             out.append(info)
         return out, bad
 
     def uncommitted(self) -> list[str]:
         """Keys (``buckets/<b>/<name>``) of part directories without a commit record."""
-        return [part_key(b, n) for b, n in self._part_dirs() if not self.storage.exists(f"{part_key(b, n)}/{COMMIT}")]
+        return [k for b, n in self._part_dirs()
+                if not self.storage.exists(f"{(k := part_key(b, n))}/{COMMIT}") and not self._is_file(k)]
+
+    def _is_file(self, key: str) -> bool:
+        if self.storage.list_dir(key):
+            return False
+        try:
+            self.storage.get(key)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+            return False
+        return True
+
+    def stray_files(self) -> list[str]:
+        """Files in the bucket directories where only part directories belong (nothing reads them)."""
+        return [part_key(b, n) for b, n in self._part_dirs()
+                if not self.storage.exists(f"{part_key(b, n)}/{COMMIT}") and self._is_file(part_key(b, n))]
 
     def gc(self, min_age_s: float = LEASE_TIMEOUT_S, dry_run: bool = False) -> list[str]:
         """Remove uncommitted leftovers whose writer is gone. Returns the keys removed (or that would be).
@@ -178,6 +201,12 @@ class FeatureCache:
         so it never races a writer that starts meanwhile, and never touches a committed part.
         """
         removed = []
+        parts, _ = self.scan_parts()
+        for part in parts:  # committed parts: files of writers that lost the part (never read)
+            if dry_run:
+                removed += [f"{part.key}/{n}" for n in garbage_of_committed(self.storage, part.key, part.generation)]
+            else:
+                removed += remove_garbage_of_committed(self.storage, part.key, part.generation)
         for key in self.uncommitted():
             holder = live_holder(self.storage, key, min_age_s)
             if holder is not None:
@@ -195,6 +224,7 @@ class FeatureCache:
             except PartCommittedError:
                 lease.release()
                 continue
+            remove_dead_seals(self.storage, key)  # (this process holds the lease: no writer can seal meanwhile)
             lease.release(remove_dir=True)
             removed.append(key)
         return removed
@@ -297,6 +327,20 @@ def _group_json(attributes: dict[str, Any]) -> bytes:
     return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes}, indent=1).encode()
 
 
+def bucket_group_json(spec: CacheSpec, b: int) -> bytes:
+    lo, hi = bucket_bounds(spec.bucket_edges, spec.max_length, b)
+    return _group_json({"lo": lo, "hi": hi})
+
+
+def _write_bucket_groups(storage: Storage, spec: CacheSpec) -> None:
+    """The group documents of ``buckets/`` and each bucket (fixed by the spec), where missing."""
+    if not storage.exists("buckets/zarr.json"):
+        storage.create_exclusive("buckets/zarr.json", _group_json({}))
+    for b in range(spec.n_buckets):
+        if not storage.exists(f"buckets/{b}/zarr.json"):
+            storage.create_exclusive(f"buckets/{b}/zarr.json", bucket_group_json(spec, b))
+
+
 def open_cache(url: str, storage: Storage | None = None) -> FeatureCache:
     """Open an existing cache (local path or fsspec URL)."""
     storage = storage or make_storage(str(url))
@@ -330,14 +374,23 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
             fields = cache.spec.diff(spec)
             raise SpecMismatchError(f"{url} was written with another spec: {describe_diff(cache.spec, spec)}. "
                                     "Use a new cache path, or change the config to match", fields=fields)
+        _write_bucket_groups(storage, spec)  # (restores any a crash or a user removed)
         return cache
     root = {"format_version": FORMAT_VERSION, "spec": spec.to_dict(), "fingerprint": spec.fingerprint,
             "layout": {"chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}}
-    for b in range(spec.n_buckets):
-        lo, hi = bucket_bounds(spec.bucket_edges, spec.max_length, b)
-        storage.put(f"buckets/{b}/zarr.json", _group_json({"lo": lo, "hi": hi}))
-    storage.put("buckets/zarr.json", _group_json({}))
-    if _root_attrs(storage) is None:  # (a concurrent creator with the same spec may have been first)
-        storage.put("zarr.json", _group_json({ATTR_KEY: root}), durable=True)  # written last: now it is a cache
+    # created exclusively: of two jobs creating one cache at once, one creates it and the other opens it
+    # (same spec: the same job) or is refused (another spec) before it writes anything
+    if not storage.create_exclusive("zarr.json", _group_json({ATTR_KEY: root}), durable=True):
+        attrs = _root_attrs(storage)
+        if attrs is None:
+            raise NotACacheError(f"{url}: zarr.json exists but cannot be read; choose a new or empty path")
+        cache = _cache_from_attrs(storage, attrs)
+        if cache.spec.fingerprint != spec.fingerprint:
+            raise SpecMismatchError(f"{url} was created by another job at the same moment, with another spec: "
+                                    f"{describe_diff(cache.spec, spec)}. Use a new cache path, or change the "
+                                    "config to match", fields=cache.spec.diff(spec))
+        _write_bucket_groups(storage, spec)
+        return cache
+    _write_bucket_groups(storage, spec)
     log.info("created cache %s (codec %s, fingerprint %s)", url, spec.codec, spec.fingerprint)
     return FeatureCache(storage, spec, chunk_tokens, shard_tokens)

@@ -25,9 +25,10 @@ import torch
 
 from .codecs import crc32c, u16_to_bf16
 from .errors import CacheCorruptError
+from .fence import garbage_of_committed
 from .head import HEAD_KEY, decode_head
 from .lease import live_holder
-from .parts import COMMIT, PartInfo, part_key
+from .parts import COMMIT, PartInfo, gen_of, part_key
 from .reader import ArrayReader, layouts_for
 from .storage import Storage
 from .store import FeatureCache, open_cache
@@ -58,6 +59,8 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     uncommitted: list[str] = field(default_factory=list)
     being_written: list[str] = field(default_factory=list)  # uncommitted parts whose writer is live
+    garbage: list[str] = field(default_factory=list)  # late writers' files in committed parts (nothing reads them)
+    stray: list[str] = field(default_factory=list)  # files where only part directories belong
 
     @property
     def ok(self) -> bool:
@@ -83,6 +86,11 @@ class VerifyReport:
         left = len([k for k in self.uncommitted if k not in self.being_written and k not in listed])
         if left:
             s += f"; {left} uncommitted leftover(s) (dflash-cache gc removes them)"
+        if self.garbage:
+            s += (f"; {len(self.garbage)} file(s) of writers that lost their part, never read "
+                  "(dflash-cache gc removes them)")
+        if self.stray:
+            s += f"; {len(self.stray)} stray file(s) ignored by readers: {', '.join(self.stray[:3])}"
         return s
 
 
@@ -98,12 +106,16 @@ def _required(part: PartInfo) -> list[str]:
 
 
 def _check_metadata(storage: Storage, part: PartInfo) -> None:
+    groups = [part.key, part.data_key] if part.generation is not None else [part.key]
+    for key in groups:  # zarr-python walks the hierarchy through these
+        if not storage.exists(f"{key}/zarr.json"):
+            raise _PartCheck("zarr.json", f"{key}/zarr.json (a zarr group document) is missing")
     for name in _required(part):
         if name not in part.arrays:
             raise _PartCheck(name, "the commit record does not list this array")
     for name, rec in part.arrays.items():
         try:
-            meta = json.loads(storage.get(f"{part.key}/{name}/zarr.json"))
+            meta = json.loads(storage.get(f"{part.data_key}/{name}/zarr.json"))
         except FileNotFoundError:
             raise _PartCheck(name, "zarr.json is missing") from None
         except ValueError:
@@ -173,6 +185,14 @@ def _check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> dict[s
     return small
 
 
+def _check_groups(cache: FeatureCache, report: VerifyReport) -> None:
+    """The group documents that zarr-python needs to walk from the root to the parts."""
+    for key in ["buckets/zarr.json", *(f"buckets/{b}/zarr.json" for b in range(cache.spec.n_buckets))]:
+        if not cache.storage.exists(key):
+            report.add(None, key, "missing (zarr readers cannot open the cache below it); rerun dflash-extract with "
+                       "the same config and --out to restore it (it keeps the parts)")
+
+
 def _check_head(cache: FeatureCache, report: VerifyReport) -> None:
     try:
         raw = cache.storage.get(HEAD_KEY)
@@ -190,8 +210,10 @@ def _check_head(cache: FeatureCache, report: VerifyReport) -> None:
 
 def _leftover_unit(storage: Storage, key: str) -> int | None:
     """The work unit an uncommitted part belongs to (from its group attributes), if any."""
+    gens = sorted((g, n) for n in storage.list_dir(key) if (g := gen_of(n)) is not None)
+    where = f"{key}/{gens[-1][1]}" if gens else key
     try:
-        meta = json.loads(storage.get(f"{key}/zarr.json")).get("attributes", {}).get("meta", {})
+        meta = json.loads(storage.get(f"{where}/zarr.json")).get("attributes", {}).get("meta", {})
         return int(meta["unit"])
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -254,14 +276,17 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
     """Check the cache (see the module docstring); raises :class:`CacheCorruptError` naming the first
     part and array at fault (the message lists every problem) unless ``raise_on_error`` is False."""
     cache = open_cache(url, storage=storage)
-    report = VerifyReport(uncommitted=cache.uncommitted())
+    report = VerifyReport(uncommitted=cache.uncommitted(), stray=cache.stray_files())
     _check_head(cache, report)
+    _check_groups(cache, report)
     parts, bad_records = cache.scan_parts()
     for err in bad_records:
         report.add(err.part, err.array or COMMIT, _reason(err))
     seen: dict[int, str] = {}
     for part in parts:
         report.n_parts += 1
+        report.garbage += [f"{part.key}/{n}" for n in garbage_of_committed(cache.storage, part.key, part.generation)
+                           if not n.startswith("lease.")]
         try:
             small = _check_part(cache.storage, cache, part)
         except _PartCheck as err:

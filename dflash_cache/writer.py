@@ -4,9 +4,15 @@ Ownership: a writer holds the part's lease (:mod:`dflash_cache.lease`) from star
 other process writes, clears or commits the same part meanwhile; the leftover of a dead writer is
 cleared by the next holder, and a part with a commit record is never touched again.
 
+Fencing: the writer writes only under its lease generation's directory ``<part>/g<gen>/`` and the
+commit record names that generation, so a writer that lost its lease (frozen past the lease
+timeout, then resumed) writes only garbage that nothing reads (:mod:`dflash_cache.fence`).
+
 Durability protocol: data arrays are written (whole shards, then the small arrays at commit), every
-file under the part is fsynced (local filesystems), then ``commit.json`` is created last, atomically,
-exclusively and durably. Readers list parts that have a commit record only, so a writer killed at
+file under the part is fsynced (local filesystems), the generation is sealed for the commit, then
+``commit.json`` is created last, atomically, exclusively and durably. The commit record also binds
+each shard to the part: the crc32c of every shard's chunk index (checked by readers whenever they
+open a shard, at no extra read) and of every small array (checked when it is loaded). Readers list parts that have a commit record only, so a writer killed at
 any moment leaves no visible part; its directory is an uncommitted leftover that the next writer of
 the part (or ``gc``) clears.
 """
@@ -35,8 +41,9 @@ from .codecs import (
     small_compressors,
 )
 from .errors import CacheError, DataError
+from .fence import remove_garbage_of_committed, seal_for_commit, seal_key
 from .lease import LEASE_TIMEOUT_S, LeaseLostError, PartCommittedError, PartLease, acquire
-from .parts import COMMIT, PartInfo, check_part_name, part_key
+from .parts import COMMIT, PartInfo, check_part_name, gen_dir, part_key
 
 if TYPE_CHECKING:
     from .store import FeatureCache
@@ -44,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ZCONFIG = {"write_empty_chunks": True}
+# the part's own group (its data is the generation group under it): constant, so any writer may put it
+_PART_GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}, indent=1).encode()
 
 
 def _as_1d(x: Any, name: str, sample_id: int) -> np.ndarray:
@@ -80,6 +89,7 @@ class _ShardedArray:
         self.fill = 0  # rows buffered
         self.written = 0  # rows on storage
         self.crc = 0
+        self.index_crcs: list[int] = []  # per shard: the crc32c that ends its chunk index (binds it to the part)
 
     def push(self, rows: np.ndarray) -> None:
         pos = 0
@@ -98,6 +108,7 @@ class _ShardedArray:
         shard = self.written // self.shard
         blob = encode_shard(data, self.chunk, self.shard, self.params)  # one whole shard (or the final partial one)
         self.storage.put(f"{self.key}/c/{shard}/0", blob)
+        self.index_crcs.append(int.from_bytes(blob[-4:], "little"))
         self.crc = crc32c(data, self.crc)
         self.written += self.fill
         self.fill = 0
@@ -105,7 +116,8 @@ class _ShardedArray:
     def finish(self) -> dict[str, Any]:
         self.flush()
         self.arr.resize((self.written, self.buf.shape[1]))  # metadata only: the shards are in place
-        return {"shape": [self.written, self.buf.shape[1]], "dtype": str(self.buf.dtype), "crc32c": self.crc}
+        return {"shape": [self.written, self.buf.shape[1]], "dtype": str(self.buf.dtype), "crc32c": self.crc,
+                "shard_index_crc32c": self.index_crcs}
 
 
 class PartWriter:
@@ -134,6 +146,7 @@ class PartWriter:
         self._with_argmax: bool | None = None
         self._closed = False
         self._lease = lease if lease is not None else acquire(cache.storage, self.key)
+        self.data_key = f"{self.key}/{gen_dir(self._lease.gen)}"  # this writer's files; nobody else's
         try:
             self._start()
         except BaseException:
@@ -146,15 +159,15 @@ class PartWriter:
     def _start(self) -> None:
         st = self.cache.storage
         self._lease.clear_leftovers()  # of a dead earlier writer; raises when the part is committed
-        self._store = st.zarr_store(self.key)
+        self._store = st.zarr_store(self.data_key)
         zarr.create_group(self._store, attributes={"bucket": self.bucket, "name": self.name, "meta": self.meta})
         d, n = self.cache.spec.feature_dim, self.cache.spec.n_layers
-        self._features = _ShardedArray(self.cache, self.key, "features", d, self.codec.stored_dtype,
+        self._features = _ShardedArray(self.cache, self.data_key, "features", d, self.codec.stored_dtype,
                                        FEATURE_BLOSC[self.codec.name], feature_compressors(self.codec.name),
                                        {"logical_dtype": self.codec.logical_dtype})
         self._scales = None
         if self.codec.has_scales:
-            self._scales = _ShardedArray(self.cache, self.key, "scales", n, "float32", SMALL_BLOSC,
+            self._scales = _ShardedArray(self.cache, self.data_key, "scales", n, "float32", SMALL_BLOSC,
                                          small_compressors(4),
                                          {"meaning": "per-token, per-layer fp8 scale (absmax / 448)"})
 
@@ -252,7 +265,26 @@ class PartWriter:
             raise DataError(f"sample {sid}: features contain NaN or Inf; skip the sample (extract.on_nonfinite)")
         return t
 
+    def _lost(self) -> LeaseLostError:
+        """The error of a writer whose part was taken over (it drops its copy; the new owner's stands)."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.cache.storage.remove_entry(self.data_key)  # this generation's files: nobody else's
+        self._lease.release()
+        return LeaseLostError(f"part {self.key} was taken over by another process while this one wrote it (no "
+                              f"heartbeat for {LEASE_TIMEOUT_S:.0f} s: was this process stopped, or its host "
+                              "frozen?); this copy is dropped and the other writer's stands. Rerun the job to "
+                              "write what is still missing")
+
     def _push_features(self, sid: int, features: torch.Tensor) -> None:
+        try:
+            self._push_features_unfenced(features)
+        except Exception:
+            if not self._closed and not self._lease.held():
+                raise self._lost() from None
+            raise
+
+    def _push_features_unfenced(self, features: torch.Tensor) -> None:
         if self._scales is not None:
             q, s = quantize_fp8(features, self.cache.spec.n_layers)  # on the features' device
             self._features.push(q.cpu().numpy())
@@ -268,9 +300,37 @@ class PartWriter:
         return {"shape": [len(data)], "dtype": str(data.dtype), "crc32c": crc32c(data)}
 
     def commit(self) -> PartInfo:
-        """Write the remaining data, make it durable, then the commit record. Returns the part."""
+        """Write the remaining data, make it durable, seal this generation, then create the commit
+        record naming it. Returns the part."""
         if self._closed:
             raise CacheError(f"part {self.key} is already committed or aborted")
+        try:
+            info = self._finish_data()
+        except Exception:
+            if not self._closed and not self._lease.held():
+                raise self._lost() from None
+            raise
+        st = self.cache.storage
+        record = json.dumps(info.to_record(self.cache.spec.fingerprint), indent=1).encode()
+        # sealed first, then the lease checked: a remover takes the lease before it seals a generation dead,
+        # so either it sees this seal and keeps the files, or this writer sees its lease and stops
+        if not seal_for_commit(st, self.key, self._lease.gen):
+            raise self._lost()
+        if not self._lease.held():
+            with contextlib.suppress(OSError):
+                st.remove(seal_key(self.key, self._lease.gen))
+            raise self._lost()
+        st.put(f"{self.key}/zarr.json", _PART_GROUP)  # the same bytes from every writer: a plain put is safe
+        if not st.create_exclusive(f"{self.key}/{COMMIT}", record, durable=True):  # visible from here on
+            raise self._lost()
+        self._lease.release()
+        self._closed = True
+        with contextlib.suppress(OSError):  # late writers' garbage: nobody can commit this part any more
+            remove_garbage_of_committed(st, self.key, self._lease.gen)
+        log.debug("committed part %s: %d samples, %d tokens", self.key, self.n_samples, self.n_tokens)
+        return info
+
+    def _finish_data(self) -> PartInfo:
         arrays: dict[str, dict[str, Any]] = {}
         for name, arr in (("features", self._features), ("scales", self._scales)):
             if arr is not None:
@@ -283,28 +343,14 @@ class PartWriter:
         arrays["offsets"] = self._write_small("offsets", np.asarray(self._offsets, np.int64))
         arrays["sample_ids"] = self._write_small("sample_ids", np.asarray(self._ids, np.int64))
         st = self.cache.storage
-        st.sync_tree(self.key)
-        sizes = st.list_files(self.key)
+        st.sync_tree(self.data_key)
+        sizes = st.list_files(self.data_key)
         for name, rec in arrays.items():
-            rec["stored_bytes"] = sum(v for k, v in sizes.items() if k.startswith(f"{self.key}/{name}/"))
-        info = PartInfo(bucket=self.bucket, name=self.name, n_samples=self.n_samples, n_tokens=self.n_tokens,
+            rec["stored_bytes"] = sum(v for k, v in sizes.items() if k.startswith(f"{self.data_key}/{name}/"))
+        return PartInfo(bucket=self.bucket, name=self.name, n_samples=self.n_samples, n_tokens=self.n_tokens,
                         meta=self.meta, codec=self.codec.name, arrays=arrays,
-                        chunk_tokens=self.cache.chunk_tokens, shard_tokens=self.cache.shard_tokens)
-        record = json.dumps(info.to_record(self.cache.spec.fingerprint), indent=1).encode()
-        if not self._lease.held():
-            self._closed = True
-            self._lease.release()
-            raise LeaseLostError(f"part {self.key} was taken over by another process while this one wrote it "
-                                 f"(no heartbeat for {LEASE_TIMEOUT_S:.0f} s?); this copy is dropped, the other "
-                                 "writer's stands")
-        if not st.create_exclusive(f"{self.key}/{COMMIT}", record, durable=True):  # visible from here on
-            self._closed = True
-            self._lease.release()
-            raise CacheError(f"part {self.key} was committed by another writer meanwhile; this copy is dropped")
-        self._lease.release()
-        self._closed = True
-        log.debug("committed part %s: %d samples, %d tokens", self.key, self.n_samples, self.n_tokens)
-        return info
+                        chunk_tokens=self.cache.chunk_tokens, shard_tokens=self.cache.shard_tokens,
+                        generation=self._lease.gen, cache_fingerprint=self.cache.spec.fingerprint)
 
     def abort(self) -> None:
         """Drop everything written so far; the part never becomes visible. Removes nothing when the
@@ -312,6 +358,8 @@ class PartWriter:
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(OSError):
+            self.cache.storage.remove_entry(self.data_key)  # this generation is never committed now
         if not self._lease.held():
             self._lease.release()
             return

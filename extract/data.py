@@ -14,9 +14,11 @@ template renders it, which the masking here does not locate yet.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,13 +63,34 @@ class LoadedData:
     bad_files: list[str] = field(default_factory=list)  # "file: reason" of whole files skipped (skip_bad)
 
 
+def _text(value: str, where: str) -> str:
+    """``value`` when it is valid Unicode (a lone surrogate from a ``\\ud800`` escape is not, and no
+    tokenizer takes it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = value[err.start:err.end].encode("unicode_escape").decode()
+        raise DataError(f"{where}: text holds {bad} at character {err.start}, a lone surrogate (invalid Unicode, "
+                        "from a broken \\u escape); fix the record or pass --skip-bad") from None
+    return value
+
+
 def _normalize_content(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if content is None:
         return ""
-    if isinstance(content, list):  # OpenAI content parts
-        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+    if isinstance(content, list):  # OpenAI content parts: text only; anything else is refused, not dropped
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type", "text") if isinstance(part, dict) else None
+            text = part.get("text", "") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(text, str):
+                found = (f"a {type(part).__name__}" if not isinstance(part, dict) else
+                         f"type {kind!r}" if kind != "text" else f"text of type {type(text).__name__}")
+                raise DataError(f"{where}: content part {i} is {found}; only {{\"type\": \"text\", \"text\": "
+                                "string} parts are supported (fix the record, or pass --skip-bad to skip it)")
+            texts.append(_text(text, where))
         return "".join(texts)
     raise DataError(f"{where}: message content must be a string or a list of text parts, found {type(content).__name__}")
 
@@ -86,7 +109,7 @@ def _parse_messages(raw: Any, where: str) -> list[dict[str, str]]:
             raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {list(ROLES)}")
         msg = {"role": role, "content": _normalize_content(m.get("content"), where)}
         if m.get("reasoning_content"):
-            msg["reasoning_content"] = str(m["reasoning_content"])
+            msg["reasoning_content"] = _text(str(m["reasoning_content"]), where)
         out.append(msg)
     return out
 
@@ -139,16 +162,25 @@ def parse_record(obj: Any, sample_id: int, where: str) -> Record:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(where, decoded object | DataError)`` for each non-blank line."""
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                yield where, json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                yield where, DataError(f"{where}: malformed JSON ({err}); fix the line or pass --skip-bad")
+    """``(where, decoded object | DataError)`` for each non-blank line (gzip-compressed when the name
+    ends in ``.gz``)."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    lineno = 0
+    try:
+        with opener(path, "rb") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    yield where, json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                    yield where, DataError(f"{where}: malformed JSON ({err}); fix the line or pass --skip-bad")
+                except RecursionError:
+                    yield where, DataError(f"{where}: JSON nested too deeply to read; fix the line or pass --skip-bad")
+    except (OSError, EOFError, zlib.error) as err:  # a truncated or corrupt .gz: the rest of the file
+        yield f"{path}:{lineno + 1}", DataError(f"{path}: unreadable after line {lineno} ({type(err).__name__}: "
+                                                f"{err}); replace the file or pass --skip-bad")
 
 
 def _iter_table(table: Any, path: Path) -> Iterator[tuple[str, Any]]:
@@ -213,20 +245,42 @@ def _load_saved_dataset(path: Path) -> Any:
     return ds
 
 
-def _data_files(path: Path) -> list[Path]:
+_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet", ".arrow")  # any letter case
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((s for s in _SUFFIXES if name.endswith(s)), None)
+
+
+def _data_files(path: Path, skip_bad: bool = False) -> tuple[list[Path], list[str]]:
+    """``(files to read, "entry: reason" of entries skipped)``. Entries of a directory that are not data
+    files (another suffix, a subdirectory) are refused by name, or skipped and counted with ``skip_bad``;
+    hidden names (``.*``) are ignored."""
     if path.is_file():
-        return [path]
-    files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet", ".arrow"))
+        return [path], []
+    entries = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+    files = [p for p in entries if p.is_file() and _kind(p) is not None]
+    other = [p for p in entries if p not in files]
+    skipped = [f"{p}: {'a subdirectory' if p.is_dir() else 'not a data file'} (read are "
+               f"{', '.join(_SUFFIXES)} files, in any letter case)" for p in other]
+    if other and not skip_bad:
+        names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in other[:5])
+        raise DataError(f"{path}: holds {len(other)} entr{'y' if len(other) == 1 else 'ies'} that are not data files "
+                        f"({names}{', ...' if len(other) > 5 else ''}); this reader takes {', '.join(_SUFFIXES)} files "
+                        "(any letter case) directly in the directory. Move the others out, or pass --skip-bad to "
+                        "skip them (counted)")
     if not files:
         raise DataError(f"{path}: directory holds no .jsonl/.parquet/.arrow files and is not a saved HF dataset")
-    return files
+    return files, skipped
 
 
 def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
     """Records of one file. A columnar file is read whole first, so an unreadable one yields nothing."""
-    if path.suffix == ".parquet":
+    kind = _kind(path)
+    if kind == ".parquet":
         return _iter_table(_read_parquet(path), path)
-    if path.suffix == ".arrow":
+    if kind == ".arrow":
         return _iter_table(_read_arrow(path), path)
     return _iter_jsonl(path)
 
@@ -265,10 +319,13 @@ def load_records(path: str, skip_bad: bool = False) -> LoadedData:
         ds = _load_saved_dataset(root)
         files = [Path(f["filename"]) for f in ds.cache_files]
         readers = [lambda: _iter_table(ds.with_format("arrow")[:], root)]  # one Arrow table, rows named root#i
+        skipped: list[str] = []
     else:
-        files = _data_files(root)
+        files, skipped = _data_files(root, skip_bad)
         readers = [lambda file=file: _iter_file(file) for file in files]
-    out = LoadedData([], 0, fingerprint=_file_fingerprint(files))
+    out = LoadedData([], 0, fingerprint=_file_fingerprint(files), bad_files=list(skipped))
+    for entry in skipped:
+        log.warning("skipped a directory entry that is not a data file: %s", entry)
     for read in readers:
         try:
             items = read()

@@ -36,7 +36,7 @@ def _first_part(url: Path):
 
 
 def _shard(url: Path, part, i: int = 0) -> Path:
-    return url / part.key / "features" / "c" / str(i) / "0"
+    return url / part.data_key / "features" / "c" / str(i) / "0"
 
 
 def _assert_verify_names(url: Path, part_key: str, array: str, capsys) -> None:
@@ -227,7 +227,7 @@ def test_sigkilled_writer_leaves_no_visible_part(cache_dir, capsys):
     proc.wait()
     cache = open_cache(str(cache_dir))
     key = "buckets/1/victim"
-    assert (cache_dir / key / "features").is_dir()  # data was on disk ...
+    assert (cache_dir / key / "g000001" / "features").is_dir()  # data was on disk ...
     assert key not in [p.key for p in cache.parts()]  # ... but no visible part
     assert cache.uncommitted() == [key]
     assert len(cache.index()) == 40

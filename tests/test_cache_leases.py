@@ -58,7 +58,7 @@ def test_a_live_writer_keeps_its_part_and_a_dead_one_is_taken_over(cache_dir):
         with pytest.raises(LeaseHeldError, match=f"pid {proc.pid} on host"):
             cache.part_writer(1, "held")
         assert cache.gc() == []  # gc keeps it too
-        assert (cache_dir / "buckets/1/held/zarr.json").exists()  # nothing of it was removed
+        assert (cache_dir / "buckets/1/held/g000001/zarr.json").exists()  # nothing of it was removed
     finally:
         proc.kill()
         proc.wait()
@@ -147,18 +147,22 @@ def test_the_heartbeat_is_refreshed_while_held(cache_dir, monkeypatch):
     witness.release()
 
 
-def test_a_writer_that_lost_its_lease_neither_commits_nor_removes(cache_dir):
+def test_a_writer_that_lost_its_lease_neither_commits_nor_removes_the_new_owners_files(cache_dir):
     cache = open_cache(str(cache_dir))
     w = cache.part_writer(1, "lost")
     _fill(w, 2000)
     lease_mod._keeper.drop(w._lease)  # this process plays both sides: the writer's lease now looks dead ...
-    taker = acquire(cache.storage, w.key)  # ... and another writer takes the part over
+    taker = cache.part_writer(1, "lost")  # ... and another writer takes the part over
+    _fill(taker, 3000)
+    assert not (cache_dir / w.data_key).exists() and w.data_key != taker.data_key  # fenced off: removed
     with pytest.raises(LeaseLostError, match="taken over"):
         w.commit()
-    assert (cache_dir / w.key / "features").is_dir() and taker.held()
+    assert not (cache_dir / w.key / "commit.json").exists()
+    assert not (cache_dir / w.data_key).exists()  # its own generation only: garbage now
+    assert (cache_dir / taker.data_key / "features").is_dir() and taker._lease.held()
     w.abort()  # a no-op after the failed commit
-    assert (cache_dir / w.key / "features").is_dir()
-    taker.release()
+    taker.commit()
+    assert verify_cache(str(cache_dir)).n_samples == 15
 
 
 def test_committed_parts_are_never_removed(cache_dir):

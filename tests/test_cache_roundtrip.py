@@ -73,7 +73,7 @@ def test_direct_reader_matches_zarr(tmp_path):
     cache = create_cache(str(tmp_path / "c"), _spec(), chunk_tokens=16, shard_tokens=64)
     _write(cache, _samples(10))
     part = cache.parts()[0]
-    z = zarr.open_array(str(tmp_path / "c" / part.key / "features"), mode="r")[:]
+    z = zarr.open_array(str(tmp_path / "c" / part.data_key / "features"), mode="r")[:]
     ours = cache.read_tokens(part, 0, part.n_tokens)
     assert np.array_equal(ours.view(torch.int16).numpy().view(np.uint16), z)
     assert torch.equal(cache.read_tokens(part, 5, 77), ours[5:77])
@@ -229,7 +229,7 @@ def test_partial_chunks_spanning_blosc_blocks_decode_exactly(tmp_path):
             w.add(i, torch.zeros(t, dtype=torch.long), torch.ones(t, dtype=torch.bool),
                   synthetic_features(t, 2, 1024, g))
     (part,) = cache.parts()
-    z = zarr.open_array(str(tmp_path / "c" / part.key / "features"), mode="r")[:]
+    z = zarr.open_array(str(tmp_path / "c" / part.data_key / "features"), mode="r")[:]
     reader = PartReader(cache.storage, part)
     for a, b in _spans(part.n_tokens, 512) + [(250, 262), (256, 512), (200, 700)]:
         got = reader.read_tokens(a, b).view(torch.int16).numpy().view(np.uint16)
@@ -252,7 +252,7 @@ def test_flipped_byte_in_an_uncompressed_chunk_is_caught(tmp_path):
     samples = _samples(4)
     _write(cache, samples)
     (part,) = cache.parts()
-    shard = tmp_path / "c" / part.key / "features" / "c" / "0" / "0"
+    shard = tmp_path / "c" / part.data_key / "features" / "c" / "0" / "0"
     data = bytearray(shard.read_bytes())
     data[16 * 2 * H * N_LAYERS + 5] ^= 0x01  # in chunk 1, token 0
     shard.write_bytes(bytes(data))

@@ -120,13 +120,13 @@ def _garbled_commit(c: Path) -> str:
 
 def _missing_small_array(c: Path) -> str:
     p = _parts(c)[0][1]
-    shutil.rmtree(c / p.key / "sample_ids")
+    shutil.rmtree(c / p.data_key / "sample_ids")
     return f"part {p.key}, array sample_ids: zarr.json is missing"
 
 
 def _flipped_feature(c: Path) -> str:
     p = _parts(c)[0][0]
-    _flip(c / p.key / "features" / "c" / "0" / "0", 40)
+    _flip(c / p.data_key / "features" / "c" / "0" / "0", 40)
     return f"part {p.key}, array features:"
 
 

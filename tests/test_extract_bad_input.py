@@ -161,3 +161,52 @@ def test_a_real_full_disk_is_exit_2_naming_the_path(tiny_teacher_dir, tmp_path, 
     assert r.returncode == 2, r.stderr[-2000:]
     assert re.search(rf"no space left on the device \(or over quota\) while {stage}", r.stderr), r.stderr[-2000:]
     assert str(out) in r.stderr and "Traceback" not in r.stderr
+
+
+_SURROGATE = '{"messages": [{"role": "user", "content": "bad \\ud800 text"}, {"role": "assistant", "content": "ok"}]}'
+_DEEP = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.parametrize("line, found", [
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": ["hi"]}]}, CHAT[1]]}),
+     "content part 0 is text of type list"),
+    (json.dumps({"messages": [{"role": "user", "content": [["hi"]]}, CHAT[1]]}), "content part 0 is a list"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, CHAT[1]]}),
+     "content part 0 is type 'image_url'"),
+    (_SURROGATE, "a lone surrogate"),
+    (_DEEP, "nested too deeply"),
+], ids=["list-in-text-part", "list-of-lists", "image-part", "lone-surrogate", "100k-deep"])
+def test_bad_content_is_refused_by_name_then_skipped_and_counted(tiny_teacher_dir, tmp_path, capsys, line, found):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join([json.dumps({"messages": CHAT})] * 4 + [line] + [json.dumps({"messages": CHAT})] * 3)
+                    + "\n")
+    out = tmp_path / "cache"
+    assert _run(*_args(tiny_teacher_dir, out, data)) == 2
+    err = capsys.readouterr().err
+    assert f"{data}:5: " in err and found in err and "Traceback" not in err and not out.exists()
+    assert _run(*_args(tiny_teacher_dir, out, data, "--skip-bad")) == 0
+    assert "skipped: 1 bad records" in capsys.readouterr().out
+    assert _run(*_args(tiny_teacher_dir, out, data, "--skip-bad")) == 0  # its rerun finishes too
+    assert _n_samples(out) == 7
+
+
+def test_a_data_directory_reads_every_data_file_and_names_the_rest(tiny_teacher_dir, tmp_path, capsys):
+    import gzip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _jsonl(data / "a.jsonl", [{"messages": CHAT}] * 2)
+    _jsonl(data / "B.JSONL", [{"messages": CHAT}] * 3)  # upper-case suffix: read
+    (data / "c.jsonl.gz").write_bytes(gzip.compress(("".join(json.dumps({"messages": CHAT}) + "\n"
+                                                              for _ in range(4))).encode()))  # compressed: read
+    (data / "d.csv").write_text("role,content\nuser,hi\n")
+    (data / "sub").mkdir()
+    _jsonl(data / "sub" / "e.jsonl", [{"messages": CHAT}] * 5)
+    out = tmp_path / "cache"
+    assert _run(*_args(tiny_teacher_dir, out, data)) == 2
+    err = capsys.readouterr().err
+    assert "holds 2 entries that are not data files (d.csv, sub/)" in err and "--skip-bad" in err
+    assert "Traceback" not in err and not out.exists()
+    assert _run(*_args(tiny_teacher_dir, out, data, "--skip-bad")) == 0
+    assert "2 unreadable files" in capsys.readouterr().out  # counted, by name in the log
+    assert _n_samples(out) == 9

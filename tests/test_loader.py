@@ -220,7 +220,7 @@ def test_the_byte_cap_is_never_exceeded(cache_url: str) -> None:
 def _corrupt_one_part(url: str) -> str:
     cache = open_cache(url)
     part = sorted(cache.parts(), key=lambda p: p.key)[1]
-    shard = Path(url) / part.key / "features" / "c" / "0" / "0"
+    shard = Path(url) / part.data_key / "features" / "c" / "0" / "0"
     raw = bytearray(shard.read_bytes())
     raw[40:80] = bytes(40)  # inside the first chunk's payload: its crc32c no longer matches
     shard.write_bytes(bytes(raw))

@@ -216,6 +216,23 @@ def test_sigterm_saves_and_rerun_resumes(cache, tmp_path):
     assert [r["step"] for r in read_metrics(run)] == list(range(1, last + 3))
 
 
+def test_a_second_sigterm_during_the_save_does_not_lose_the_checkpoint(cache, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(cache, run, "train.max_steps=1000", "checkpoint.every_steps=500"), cwd=ROOT,
+                            env=_env(DFLASH_TEST_CKPT_WRITE_DELAY_S="0.3"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: len(read_metrics(run)) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    root = run / "checkpoints"
+    _wait_for(lambda: root.is_dir() and any(p.suffix == ".tmp" for p in root.iterdir()), proc)  # mid-save
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "received SIGTERM again: already stopping" in err and "Traceback" not in err
+    last = max(_losses(run))
+    assert find_latest(run).name == f"step-{last:08d}"  # the checkpoint the first signal promised
+
+
 def test_resume_on_another_cache_is_refused_unless_overridden(cache, tmp_path):
     other = small_cache(str(tmp_path / "other"), codec="bf16-lz4")
     run = tmp_path / "run"

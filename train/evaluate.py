@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dflash_cache.errors import ConfigError, DFlashError
+from dflash_cache.errors import CacheCorruptError, ConfigError, DFlashError
 from dflash_cache.runtime.schema import EvalConfig, TeacherConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
 
@@ -71,11 +71,13 @@ class TeacherForcedResult:
     n_samples: int
 
 
-def holdout_sample_ids(cache: Any, fraction: float) -> np.ndarray:
-    """The cache's held-out sample ids (the same rule the training plan uses to leave them out)."""
+def holdout_sample_ids(cache: Any, fraction: float, skip_corrupt: bool = False) -> np.ndarray:
+    """The cache's held-out sample ids (the same rule the training plan uses to leave them out). With
+    ``skip_corrupt`` (``loader.on_corrupt=skip``) parts whose commit record or small arrays cannot be
+    trusted are left out, as the loader leaves them out."""
     from .plan import holdout_mask
 
-    ids = np.asarray(cache.index().sample_ids, dtype=np.int64)
+    ids = np.asarray(cache.index(skip_corrupt=skip_corrupt).sample_ids, dtype=np.int64)
     return np.sort(ids[holdout_mask(ids, fraction)])
 
 
@@ -104,9 +106,27 @@ def sample_metrics(model: Any, batch: Any, anchors_per_forward: int = 256) -> di
     return total
 
 
+def _read_eval_samples(cache: Any, ids: list[int], skip_corrupt: bool) -> list[Any]:
+    """``cache.read_samples(ids)``; with ``skip_corrupt`` the samples of a part that fails a check are
+    left out (logged), as the loader quarantines it."""
+    try:
+        return cache.read_samples(ids)
+    except CacheCorruptError:
+        if not skip_corrupt:
+            raise
+    out = []
+    for i in ids:
+        try:
+            out += cache.read_samples([i])
+        except CacheCorruptError as err:
+            log.warning("held-out evaluation leaves out sample %d (loader.on_corrupt = skip): %s", i, err)
+    return out
+
+
 def teacher_forced_eval(model: Any, cache: Any, sample_ids: Sequence[int], *, max_blocks: int | None = None,
-                        read_batch: int = 16) -> TeacherForcedResult:
-    """Teacher-forced acceptance of ``model`` over ``sample_ids`` of ``cache`` (every eligible anchor)."""
+                        read_batch: int = 16, skip_corrupt: bool = False) -> TeacherForcedResult:
+    """Teacher-forced acceptance of ``model`` over ``sample_ids`` of ``cache`` (every eligible anchor).
+    ``skip_corrupt``: leave out samples whose part fails a check instead of raising."""
     if len(sample_ids) == 0:
         raise ConfigError(
             "no samples to evaluate: the cache has no held-out samples at loader.holdout_fraction; "
@@ -118,7 +138,7 @@ def teacher_forced_eval(model: Any, cache: Any, sample_ids: Sequence[int], *, ma
     total, n_samples = None, 0
     try:
         for s in range(0, len(sample_ids), read_batch):
-            for sample in cache.read_samples([int(i) for i in sample_ids[s:s + read_batch]]):
+            for sample in _read_eval_samples(cache, [int(i) for i in sample_ids[s:s + read_batch]], skip_corrupt):
                 m = sample_metrics(model, _sample_batch(sample, device))
                 n_samples += 1
                 if m is not None:

@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from .checkpoint import Checkpointer, find_latest
 from .estimate import check_fits
 from .guards import SpikeGuard, TooManySkipsError
 from .metrics import MetricLogger, StepTimer
+from .multinode import RankWatch
 from .rundir import RunDir
 from .signals import SignalFlag, TrainingInterrupted
 from .state import resume, training_state
@@ -72,14 +74,16 @@ class HeldoutEval:
     Every eligible anchor is scored, so it draws no random numbers: a resumed run stays bitwise exact.
     """
 
-    def __init__(self, cache: Any, sample_ids: Any, max_blocks: int | None):
+    def __init__(self, cache: Any, sample_ids: Any, max_blocks: int | None, skip_corrupt: bool = False):
         self.cache, self.sample_ids, self.max_blocks = cache, sample_ids, max_blocks
+        self.skip_corrupt = skip_corrupt  # loader.on_corrupt = skip applies here too
 
     def evaluate(self, model: nn.Module) -> dict[str, Any]:
         from .evaluate import teacher_forced_eval
 
         t0 = time.perf_counter()
-        res = teacher_forced_eval(model, self.cache, self.sample_ids, max_blocks=self.max_blocks)
+        res = teacher_forced_eval(model, self.cache, self.sample_ids, max_blocks=self.max_blocks,
+                                  skip_corrupt=self.skip_corrupt)
         time.sleep(float(env_switch(EVAL_DELAY_ENV, "0") or 0))
         return {"eval/acceptance_length": res.acceptance_length, "eval/n_blocks": res.n_blocks,
                 "eval/seconds": time.perf_counter() - t0}
@@ -88,25 +92,34 @@ class HeldoutEval:
 def build_heldout_eval(cfg: PipelineConfig, cache: Any) -> HeldoutEval | None:
     from .evaluate import holdout_sample_ids
 
-    ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction)
+    skip = cfg.loader.on_corrupt == "skip"
+    ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction, skip_corrupt=skip)
     if len(ids) == 0:
         log.warning("eval.every_steps is set but the cache has no held-out samples at loader.holdout_fraction=%s; "
                     "periodic evaluation is off", cfg.loader.holdout_fraction)
         return None
-    return HeldoutEval(cache, ids, cfg.eval.max_blocks)
+    return HeldoutEval(cache, ids, cfg.eval.max_blocks, skip_corrupt=skip)
 
 
 def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResult:
     """Train (or resume) a drafter on the cache at ``cache_url``, writing everything into ``run_dir``."""
-    d = Distributed.start()
+    d = Distributed.start(collective_timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+    watch = RankWatch(d, cfg.train.collective_timeout_s)
     try:
         with RunDir.claim(run_dir, d) as run:  # one trainer per run dir; exit 2 if it cannot be written
-            return _train(cfg, open_training_cache(cache_url, cfg.loader), run, d)
+            return _train(cfg, open_training_cache(cache_url, cfg.loader), run, d, watch)
+    except RuntimeError as err:  # (torch's DistBackendError too) a collective that gave up on a rank
+        named = watch.explain(err)
+        if named is None:
+            raise
+        raise named from None
     finally:
+        watch.close()
         d.close()
 
 
-def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed) -> TrainResult:
+def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed, watch: RankWatch | None = None
+           ) -> TrainResult:
     log.info("training: %s", d.describe())  # a collective: every rank calls it
     budget_cpu_threads(d.device, cfg.loader.num_readers, d.local_world_size)
     check_fits(cfg, cache, d.device)  # before any GPU memory is taken: the worst step must fit
@@ -154,6 +167,8 @@ def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed) -> Trai
             res = train_step(step, micro, loss_module, optimizer, scheduler, guard, cfg.train, d, faults)
             record = _step_record(res, micro, loader, guard, data_wait_ms, timer.lap(), d.world_size)
             metrics.log(step, record)  # before the slow work below: a kill during it loses no step
+            if watch is not None:
+                watch.beat(step)
             _update_progress(progress, res, record)
             if res.verdict.skip:
                 _log_skip(step, res, micro, guard)

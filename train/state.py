@@ -17,6 +17,7 @@ from dflash_cache.runtime.schema import CheckpointConfig
 from .checkpoint import Checkpointer, CheckpointError, LoadedCheckpoint, list_checkpoints
 from .guards import SpikeGuard
 from .metrics import METRICS_FILE, archive_metrics, read_metrics
+from .multinode import agree_on_resume, run_fingerprint
 from .optim import check_optimizer_state
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,9 @@ def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, op
            guard: SpikeGuard, d: Distributed) -> int:
     """Load the latest valid checkpoint of the run into every component; returns its step (0: none)."""
     latest = ckpt.load_latest()
+    # every rank must start from the same step of the same run (node-local run dirs would not)
+    agree_on_resume(d, 0 if latest is None else latest.step, run_fingerprint(ckpt.config, cache.spec.fingerprint),
+                    ckpt.root.parent)
     if latest is None:
         if d.is_main:
             check_resumable(ckpt.root.parent, ckpt_cfg.discard_invalid)

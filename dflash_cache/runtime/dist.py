@@ -61,11 +61,13 @@ class Distributed:
         return self.world_size > 1 and dist.is_initialized()
 
     @classmethod
-    def start(cls, use_cuda: bool | None = None) -> Distributed:
+    def start(cls, use_cuda: bool | None = None, collective_timeout: timedelta | None = None) -> Distributed:
         """Join the launcher's process group (if any) and pick this process's device.
 
         ``use_cuda``: None = CUDA when available. With CUDA the process is pinned to GPU
-        ``LOCAL_RANK % device_count`` (several processes may share a node's GPUs)."""
+        ``LOCAL_RANK % device_count`` (several processes may share a node's GPUs).
+        ``collective_timeout``: how long a collective waits for the slowest rank (default
+        :data:`COLLECTIVE_TIMEOUT`)."""
         env = launcher_env()
         cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         device = torch.device("cpu")
@@ -80,7 +82,7 @@ class Distributed:
             backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
             # the same key prefix init_process_group(init_method="env://") would use
             dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                                    world_size=world, timeout=COLLECTIVE_TIMEOUT)
+                                    world_size=world, timeout=collective_timeout or COLLECTIVE_TIMEOUT)
             d.store, d._initialized_here = store, True
         return d
 

@@ -208,6 +208,10 @@ class TrainConfig(Section):
 
     seed: int = 0
     """Initialisation, plan order and anchor sampling."""
+    collective_timeout_s: float = Field(900.0, gt=0)
+    """Multi-process runs: how long a collective waits for the slowest rank before the run stops with an
+    error naming the ranks that stopped reporting (a dead or hung node). Must exceed the longest held-out
+    evaluation and checkpoint save."""
     epochs: int = Field(6, gt=0)
     """Passes over the (non-held-out) cache."""
     max_steps: int | None = Field(None, gt=0)
