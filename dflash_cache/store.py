@@ -324,20 +324,30 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
         attrs = _root_attrs(storage)  # another process may have just finished creating it
         if attrs is None:
             raise NotACacheError(f"{url} is a non-empty directory without a cache in it; choose a new or empty path")
+    created = False
+    if attrs is None:
+        root = {"format_version": FORMAT_VERSION, "spec": spec.to_dict(), "fingerprint": spec.fingerprint,
+                "layout": {"chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}}
+        # Create-if-absent: of several jobs starting at once, exactly one creates the cache; the others
+        # read what it wrote and are compared with it below, before they write anything.
+        created = storage.create_exclusive("zarr.json", _group_json({ATTR_KEY: root}), durable=True)
+        if not created:
+            attrs = _root_attrs(storage)
     if attrs is not None:
         cache = _cache_from_attrs(storage, attrs)
         if cache.spec.fingerprint != spec.fingerprint:
             fields = cache.spec.diff(spec)
             raise SpecMismatchError(f"{url} was written with another spec: {describe_diff(cache.spec, spec)}. "
                                     "Use a new cache path, or change the config to match", fields=fields)
+    else:
+        cache = FeatureCache(storage, spec, chunk_tokens, shard_tokens)
+    for b in range(spec.n_buckets):  # (idempotent: completes a creation that was killed half-way)
+        if not storage.exists(f"buckets/{b}/zarr.json"):
+            lo, hi = bucket_bounds(spec.bucket_edges, spec.max_length, b)
+            storage.create_exclusive(f"buckets/{b}/zarr.json", _group_json({"lo": lo, "hi": hi}))
+    if not storage.exists("buckets/zarr.json"):
+        storage.create_exclusive("buckets/zarr.json", _group_json({}))
+    if not created:
         return cache
-    root = {"format_version": FORMAT_VERSION, "spec": spec.to_dict(), "fingerprint": spec.fingerprint,
-            "layout": {"chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}}
-    for b in range(spec.n_buckets):
-        lo, hi = bucket_bounds(spec.bucket_edges, spec.max_length, b)
-        storage.put(f"buckets/{b}/zarr.json", _group_json({"lo": lo, "hi": hi}))
-    storage.put("buckets/zarr.json", _group_json({}))
-    if _root_attrs(storage) is None:  # (a concurrent creator with the same spec may have been first)
-        storage.put("zarr.json", _group_json({ATTR_KEY: root}), durable=True)  # written last: now it is a cache
     log.info("created cache %s (codec %s, fingerprint %s)", url, spec.codec, spec.fingerprint)
-    return FeatureCache(storage, spec, chunk_tokens, shard_tokens)
+    return cache
