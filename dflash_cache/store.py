@@ -341,12 +341,12 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
                                     "Use a new cache path, or change the config to match", fields=fields)
     else:
         cache = FeatureCache(storage, spec, chunk_tokens, shard_tokens)
-    for b in range(spec.n_buckets):  # (idempotent: completes a creation that was killed half-way)
+    for b in range(spec.n_buckets):  # (same spec, same bytes: completes a creation killed half-way)
         if not storage.exists(f"buckets/{b}/zarr.json"):
             lo, hi = bucket_bounds(spec.bucket_edges, spec.max_length, b)
-            storage.create_exclusive(f"buckets/{b}/zarr.json", _group_json({"lo": lo, "hi": hi}))
+            storage.put(f"buckets/{b}/zarr.json", _group_json({"lo": lo, "hi": hi}))
     if not storage.exists("buckets/zarr.json"):
-        storage.create_exclusive("buckets/zarr.json", _group_json({}))
+        storage.put("buckets/zarr.json", _group_json({}))
     if not created:
         return cache
     log.info("created cache %s (codec %s, fingerprint %s)", url, spec.codec, spec.fingerprint)

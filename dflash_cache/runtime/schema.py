@@ -303,6 +303,18 @@ class LoaderConfig(Section):
     """Samples (by id hash) kept out of training for evaluation."""
     pin_memory: bool = True
     """Page-locked host batches when a CUDA device is used."""
+    read_ahead: Literal["auto", "on", "off"] = "auto"
+    """Fetch the planned batches' feature bytes ahead of the decode threads, in few large coalesced range
+    requests with many in flight (docs/performance.md); `auto`: on for object stores and other fsspec URLs,
+    off for local paths (read in place)."""
+    read_ahead_bytes: int = Field(256 << 20, gt=0)
+    """Compressed bytes fetched (or in flight) ahead of the decode threads, at most (host memory)."""
+    requests_in_flight: int = Field(16, gt=0)
+    """Range requests running at once (separate threads from the decode threads)."""
+    coalesce_gap_bytes: int = Field(1 << 20, ge=0)
+    """Ranges of one shard object at most this far apart are fetched in one request (the gap is read too)."""
+    max_request_bytes: int = Field(64 << 20, gt=0)
+    """Largest coalesced request (a single sample's range is never split)."""
 
 
 class CheckpointConfig(Section):
