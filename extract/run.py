@@ -30,7 +30,7 @@ import torch
 
 from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
 from dflash_cache.errors import CacheError, ConfigError, DataError
-from dflash_cache.lease import Holder, LeaseHeldError, PartCommittedError, PartLease, acquire
+from dflash_cache.lease import LEASE_TIMEOUT_S, Holder, LeaseHeldError, PartCommittedError, PartLease, acquire
 from dflash_cache.parts import part_key
 from dflash_cache.runtime.config import config_to_dict, load_config
 from dflash_cache.runtime.dist import Distributed
@@ -338,7 +338,8 @@ class UnitRunner:
             with storage_errors(self.cache.url, f"leasing the parts of unit {prep.unit}"):
                 for b in prep.unit_buckets:
                     try:
-                        leases[b] = acquire(self.cache.storage, part_key(b, prep.part))
+                        leases[b] = acquire(self.cache.storage, part_key(b, prep.part),
+                                            self.extract_cfg.lease_timeout_s or LEASE_TIMEOUT_S)
                     except PartCommittedError:
                         committed.add(b)
         except LeaseHeldError as err:

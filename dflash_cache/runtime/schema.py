@@ -158,6 +158,10 @@ class ExtractConfig(Section):
     """Background threads compressing and writing parts."""
     on_nonfinite: Literal["skip", "error"] = "skip"
     """A sample with NaN/Inf features: `skip` (counted) or `error`."""
+    lease_timeout_s: float | None = Field(None, gt=0)
+    """A part leased by a writer on another host is taken over when that writer's heartbeat (written every
+    30 s) is older than this; unset: 20 heartbeats (600 s). `dflash-cache release CACHE --host NAME` takes a
+    dead host's parts over at once."""
     batch_overhead: float = Field(0.02, ge=0)
     """Batch planning: each extra batch costs this fraction of `tokens_per_batch` (less padding vs fewer
     batches)."""
