@@ -300,6 +300,7 @@ def _group_json(attributes: dict[str, Any]) -> bytes:
 def open_cache(url: str, storage: Storage | None = None) -> FeatureCache:
     """Open an existing cache (local path or fsspec URL)."""
     storage = storage or make_storage(str(url))
+    storage.preflight()
     if not storage.root_exists():
         raise CacheNotFoundError(f"no cache at {url}: the path does not exist (check the path, or run "
                                  "dflash-extract to create the cache)")
@@ -315,6 +316,8 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
     if chunk_tokens <= 0 or shard_tokens % chunk_tokens:
         raise CacheError(f"shard_tokens ({shard_tokens}) must be a positive multiple of chunk_tokens ({chunk_tokens})")
     storage = storage or make_storage(str(url))
+    storage.preflight()
+    storage.check_exclusive_create()  # writers rely on it: refuse a store that ignores it
     if storage.root_is_file():
         raise NotACacheError(f"{url} is a file, not a cache directory; point --out at a new path (a directory is "
                              "created there) or at an existing cache")
