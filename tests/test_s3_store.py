@@ -188,6 +188,7 @@ def test_a_store_that_ignores_create_if_absent_is_refused(tmp_path):
 
 def test_run_dir_on_object_storage_is_refused(tmp_path, capsys):
     from fixtures.trainer import small_cache, train_argv
+
     from train.cli import main as train_main
 
     cache = small_cache(str(tmp_path / "cache"))
