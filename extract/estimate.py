@@ -29,9 +29,10 @@ from .template import TokenizeStats, check_chat_template
 # fp8 adds one fp32 scale per token per layer.
 CODEC_RATIO = {"bf16-raw": 1.0, "bf16-zstd": 0.69, "bf16-lz4": 0.80, "fp8-e4m3": 0.5 * 0.87}
 SMALL_BYTES_PER_TOKEN = 5  # input_ids (int32) + loss_mask (bool), before compression
-# Decoded GB/s of features per reader core (docs/performance.md, FACTS: blosc-zstd 0.9-1.4, lz4 1.2-1.9 at
-# the codec level; the reader's own loop costs the rest); override with --decode-gbps.
-DECODE_GBPS_PER_CORE = {"bf16-raw": 4.0, "bf16-zstd": 0.9, "bf16-lz4": 1.3, "fp8-e4m3": 0.9}
+# Decoded GB/s of features per reader core through the loader (docs/performance.md, "Loader": bf16-zstd 1.30,
+# bf16-raw 3.71 measured per CPU-second; bf16-lz4 and fp8-e4m3 not measured through the loader: codec-level
+# figures scaled the same way); override with --decode-gbps after measuring on the training host.
+DECODE_GBPS_PER_CORE = {"bf16-raw": 3.7, "bf16-zstd": 1.3, "bf16-lz4": 1.6, "fp8-e4m3": 1.0}
 DEFAULT_TOKENS_PER_S = 26_000  # a 27B-width drafter step on one H200 (README performance table)
 
 
