@@ -26,6 +26,8 @@ class _Model:
     requests = 0  # data requests (whole or ranged GETs)
     metadata_requests = 0  # HEAD/LIST-like requests
     bytes_read = 0
+    in_flight = 0
+    max_in_flight = 0  # the most data requests running at once
 
 
 def configure(latency_ms: float, mbps: float) -> None:
@@ -35,12 +37,12 @@ def configure(latency_ms: float, mbps: float) -> None:
 
 def counters() -> dict[str, int]:
     return {"requests": _Model.requests, "metadata_requests": _Model.metadata_requests,
-            "bytes_read": _Model.bytes_read}
+            "bytes_read": _Model.bytes_read, "max_in_flight": _Model.max_in_flight}
 
 
 def reset_counters() -> None:
     with _Model.lock:
-        _Model.requests = _Model.metadata_requests = _Model.bytes_read = 0
+        _Model.requests = _Model.metadata_requests = _Model.bytes_read = _Model.max_in_flight = 0
 
 
 def _wait(nbytes: int, started: float) -> None:
@@ -63,11 +65,18 @@ class LatencyFileSystem(LocalFileSystem):
 
     def cat_file(self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         t0 = time.perf_counter()
-        data = super().cat_file(path, start=start, end=end, **kwargs)
         with _Model.lock:
-            _Model.requests += 1
-            _Model.bytes_read += len(data)
-        _wait(len(data), t0)
+            _Model.in_flight += 1
+            _Model.max_in_flight = max(_Model.max_in_flight, _Model.in_flight)
+        try:
+            data = super().cat_file(path, start=start, end=end, **kwargs)
+            with _Model.lock:
+                _Model.requests += 1
+                _Model.bytes_read += len(data)
+            _wait(len(data), t0)
+        finally:
+            with _Model.lock:
+                _Model.in_flight -= 1
         return data
 
     def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 from collections.abc import Sequence
@@ -148,11 +149,10 @@ class FeatureCache:
     def scan_parts(self) -> tuple[list[PartInfo], list[CacheCorruptError]]:
         """``(committed parts, one error per part whose commit record cannot be trusted)``."""
         out, bad = [], []
-        for b, name in self._part_dirs():
+        dirs = self._part_dirs()
+        for (b, name), raw in zip(dirs, self._commit_records(dirs), strict=True):
             key = part_key(b, name)
-            try:
-                raw = self.storage.get(f"{key}/{COMMIT}")
-            except FileNotFoundError:
+            if raw is None:
                 continue
             try:
                 info = PartInfo.from_record(raw, key)
@@ -165,6 +165,20 @@ class FeatureCache:
                 continue
             out.append(info)
         return out, bad
+
+    def _commit_records(self, dirs: list[tuple[int, str]]) -> list[bytes | None]:
+        """The commit record of each part directory (None: not committed). On remote stores they are read
+        16 at a time: a scan of thousands of parts is bound by latency, not bandwidth."""
+        def get(d: tuple[int, str]) -> bytes | None:
+            try:
+                return self.storage.get(f"{part_key(*d)}/{COMMIT}")
+            except FileNotFoundError:
+                return None
+
+        if self.storage.is_local or len(dirs) <= 1:
+            return [get(d) for d in dirs]
+        with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="dflash-scan") as pool:
+            return list(pool.map(get, dirs))
 
     def uncommitted(self) -> list[str]:
         """Keys (``buckets/<b>/<name>``) of part directories without a commit record."""

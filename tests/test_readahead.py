@@ -4,6 +4,7 @@ as from local disk read in place, in a few coalesced range requests, within its 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,3 +109,31 @@ def test_resume_through_read_ahead_is_bitwise(cache_path: str) -> None:
         while resumed.epoch < 2:
             rest.extend(resumed)
     assert _digest(got + rest) == _digest(full)
+
+
+def test_commit_scan_and_verify_overlap_their_requests_and_agree_with_local(tmp_path) -> None:
+    from dflash_cache import verify_cache
+    from dflash_cache.synthetic import make_synthetic_cache
+
+    path = str(tmp_path / "cache")
+    make_synthetic_cache(path, n_samples=160, samples_per_part=8, seed=2)  # 20+ parts
+    local = open_cache(path).parts()
+    latency_fs.configure(5, 0)
+    try:
+        latency_fs.reset_counters()
+        remote = open_cache(f"latency://{path}").parts()
+        assert [(p.key, p.n_samples, p.n_tokens) for p in remote] == [(p.key, p.n_samples, p.n_tokens) for p in local]
+        assert latency_fs.counters()["max_in_flight"] > 1  # commit records read concurrently
+        # damage one part: the parallel verify reports exactly what a one-thread verify reports
+        shard = sorted(Path(path).glob("buckets/*/*/features/c/0/0"))[0]
+        raw = bytearray(shard.read_bytes())
+        raw[100] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+        latency_fs.reset_counters()
+        parallel = verify_cache(f"latency://{path}", raise_on_error=False)
+        assert latency_fs.counters()["max_in_flight"] > 1
+    finally:
+        latency_fs.configure(0, 0)
+    serial = verify_cache(path, raise_on_error=False, threads=1)
+    assert not serial.ok and [str(p) for p in parallel.problems] == [str(p) for p in serial.problems]
+    assert (parallel.n_parts, parallel.n_samples) == (serial.n_parts, serial.n_samples)
