@@ -99,6 +99,7 @@ def test_release_of_a_killed_node_lets_the_survivor_finish_at_once(tiny_teacher_
     assert "declared the leases of host node-a dead" in said and str(orphaned[0].relative_to(out)) in said
     b.wait(timeout=240)
     took = time.time() - t_release
+    print(f"node B finished {took:.1f} s after the release")
     output = "".join(b_lines)
     assert b.returncode == 0, output
     assert took < HEARTBEAT_S, f"node B needed {took:.1f} s after the release"

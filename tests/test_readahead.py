@@ -137,3 +137,49 @@ def test_commit_scan_and_verify_overlap_their_requests_and_agree_with_local(tmp_
     serial = verify_cache(path, raise_on_error=False, threads=1)
     assert not serial.ok and [str(p) for p in parallel.problems] == [str(p) for p in serial.problems]
     assert (parallel.n_parts, parallel.n_samples) == (serial.n_parts, serial.n_samples)
+
+
+def _parts_seen(plan, table_part: np.ndarray, bucket: int) -> list[set[int]]:
+    return [{int(table_part[p]) for p in b.positions} for b in plan.batches if b.bucket == bucket]
+
+
+def test_locality_plans_each_sample_once_and_keeps_to_few_parts_at_a_time(cache_path: str) -> None:
+    from train.plan import Planner, PlanSettings
+
+    index = open_cache(cache_path).index()
+    part = np.asarray(index.part)
+    base = PlanSettings(seed=3, num_anchors=512, block_size=16, tokens_per_batch=1024)
+    for world in (1, 2):
+        local = PlanSettings(**{**base.__dict__, "locality_parts": 1, "world_size": world})
+        planner = Planner(index.sample_ids, index.lengths, index.buckets, local, parts=part)
+        plans = [planner.plan(0, rank=r) for r in range(world)]
+        ids = np.concatenate([index.sample_ids[b.positions] for p in plans for b in p.batches])
+        assert sorted(ids.tolist()) == sorted(index.sample_ids.tolist())  # every sample once
+    plan = Planner(index.sample_ids, index.lengths, index.buckets,
+                   PlanSettings(**{**base.__dict__, "locality_parts": 1}), parts=part).plan(0)
+    full = Planner(index.sample_ids, index.lengths, index.buckets, base, parts=part).plan(0)
+    assert plan.identity != full.identity
+    assert full.identity == Planner(index.sample_ids, index.lengths, index.buckets, base).plan(0).identity
+    multi = 0
+    for bucket in sorted(set(int(b) for b in index.buckets)):
+        seen_local, seen_full = _parts_seen(plan, part, bucket), _parts_seen(full, part, bucket)
+        # one part per group: a batch draws from one part (two where a sort window straddles groups), and
+        # the bucket's batches visit each part in one run
+        assert max(len(s) for s in seen_local) <= 2
+        runs = [min(s) for s in seen_local]
+        switches = sum(1 for a, b in zip(runs, runs[1:], strict=False) if a != b)
+        assert switches <= 2 * len(set().union(*seen_local)), (bucket, switches)
+        multi += sum(len(s) > 1 for s in seen_full)
+    assert multi > 0  # the full shuffle mixes parts in a batch: the comparison means something
+
+
+def test_locality_cuts_requests_per_sample_through_the_read_ahead(cache_path: str) -> None:
+    budget = 1 << 20  # a read-ahead far smaller than the cache: locality decides the request count
+    shuffled, a = _epochs(f"latency://{cache_path}", epochs=1, read_ahead="on", read_ahead_bytes=budget)
+    local_order, b = _epochs(f"latency://{cache_path}", epochs=1, read_ahead="on", read_ahead_bytes=budget,
+                             locality_parts=1)
+    n = sum(len(x.sample_ids) for x in shuffled)
+    assert n == sum(len(x.sample_ids) for x in local_order) == N
+    assert sorted(torch.cat([x.sample_ids for x in local_order]).tolist()) == list(range(N))
+    per_sample = b.read_counters.requests / n
+    assert per_sample < a.read_counters.requests / n, (per_sample, a.read_counters.requests / n)

@@ -313,7 +313,7 @@ class StreamingLoader:
         index = self._index_with(parts)
         # a part quarantined since it was planned (unreadable small arrays) is left out, not "missing"
         table = select_parts(index, [p for p in parts if p not in self._quarantine], self.cache.url)
-        planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings)
+        planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings, parts=table.part)
         self._planner = (key, table, planner)
         return table, planner
 

@@ -293,6 +293,11 @@ class LoaderConfig(Section):
     """Packed row length; unset: `tokens_per_batch`."""
     sort_window: int = Field(64, gt=0)
     """Batches' worth of tokens sorted by length together."""
+    locality_parts: int | None = Field(None, gt=0)
+    """Read locality for object stores: each bucket's samples are shuffled within groups of this many parts
+    (the groups in a random order each epoch) instead of over the whole bucket, so the loader's read-ahead
+    finds many planned samples per shard and coalesces them into few large requests (docs/performance.md);
+    unset: a full shuffle per bucket."""
     on_corrupt: Literal["error", "skip"] = "error"
     """A part failing its checksums: `error` (names it) or `skip` (quarantined, counted, logged)."""
     live: bool = False
