@@ -92,6 +92,18 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_release(args: argparse.Namespace) -> int:
+    from dflash_cache.lease import release_host
+    from dflash_cache.store import open_cache
+
+    cache = open_cache(args.cache)
+    keys = cache.uncommitted()
+    released = release_host(cache.storage, args.host, keys, force=args.force)
+    print(f"declared the leases of host {args.host} dead: {len(released)} part(s) can be taken over now"
+          + "".join(f"\n  {k}" for k in released))
+    return 0
+
+
 _SUBCOMMANDS = {
     "info": "Print what a cache holds: samples, tokens, bytes per token on disk against raw bf16, length buckets, "
             "codec, teacher, layers, fingerprint, and uncommitted leftovers.",
@@ -99,6 +111,8 @@ _SUBCOMMANDS = {
               "finiteness) and check that every work unit is complete; list every bad part and exit 2 on any "
               "fault.",
     "gc": "Remove the uncommitted leftovers of writers that are gone.",
+    "release": "Declare a dead host's part leases dead now, so that running or rerun jobs take its parts over at "
+               "once instead of after extract.lease_timeout_s; refused while that host's heartbeat is fresh.",
 }
 
 
@@ -122,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="leftovers of writers on other hosts count as abandoned when their lease heartbeat is older "
                          "than this many seconds (writers on this host: when their process is gone)")
     gc.set_defaults(fn=_cmd_gc)
+    rel = add("release")
+    rel.add_argument("--host", required=True, help="the host name in the lease records (dflash-cache info lists "
+                     "live writers; a process's host is its hostname, or DFLASH_HOST_ID when set)")
+    rel.add_argument("--force", action="store_true", help="release even though the host wrote a heartbeat in the "
+                     "last two heartbeat intervals")
+    rel.set_defaults(fn=_cmd_release)
     return p
 
 

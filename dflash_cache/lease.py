@@ -46,7 +46,10 @@ from .storage import Storage
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0  # how often a holder refreshes its leases
-LEASE_TIMEOUT_S = 600.0  # a lease from another host without a heartbeat for this long is stale
+LEASE_TIMEOUT_HEARTBEATS = 20  # extract.lease_timeout_s unset: this many missed heartbeats
+LEASE_TIMEOUT_S = LEASE_TIMEOUT_HEARTBEATS * HEARTBEAT_S  # a lease from another host without a heartbeat for
+# this long is stale (600 s)
+RELEASED_HOSTS = "meta/released_hosts"  # <host>.json: that host's leases up to then are declared dead
 _LEASE = re.compile(r"^lease\.(\d+)\.json$")
 
 
@@ -65,12 +68,20 @@ def _read_proc(path: str) -> str | None:
         return None
 
 
+def _host_name() -> str:
+    """This host's name in lease records; ``DFLASH_HOST_ID`` overrides it (and makes this process count as
+    another host: liveness by heartbeat only), e.g. to run two "nodes" on one machine."""
+    return os.environ.get("DFLASH_HOST_ID") or socket.gethostname()
+
+
 def _pid_namespace() -> str:
     """``host/boot id/pid-namespace inode``: equal iff a pid recorded by the other process means the same
     process here."""
     override = env_switch("DFLASH_TEST_LEASE_HOST")  # tests: act as another host (liveness by heartbeat)
     if override:
         return override
+    if os.environ.get("DFLASH_HOST_ID"):
+        return f"host-id:{os.environ['DFLASH_HOST_ID']}"
     try:
         ns = str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
@@ -179,7 +190,58 @@ def newest(storage: Storage, key: str) -> tuple[int, Holder | None]:
 def live_holder(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> Holder | None:
     """The live writer of part ``key``, if any."""
     _, holder = newest(storage, key)
-    return holder if holder is not None and holder.alive(timeout_s) else None
+    return holder if _live(storage, holder, timeout_s) else None
+
+
+def _live(storage: Storage, holder: Holder | None, timeout_s: float) -> bool:
+    """``holder`` is alive and its host was not released (:func:`release_host`) after its last heartbeat."""
+    if holder is None or not holder.alive(timeout_s):
+        return False
+    if holder.pidns == _PIDNS:
+        return True  # the pid is authoritative here
+    released = released_at(storage, holder.host)
+    return released is None or holder.heartbeat_unix > released
+
+
+def _host_file(host: str) -> str:
+    return f"{RELEASED_HOSTS}/{re.sub(r'[^A-Za-z0-9._-]', '_', host)}.json"
+
+
+def released_at(storage: Storage, host: str) -> float | None:
+    """When ``host``'s leases were last declared dead (unix time), if ever."""
+    try:
+        return float(json.loads(storage.get(_host_file(host)))["released_unix"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def host_leases(storage: Storage, keys: list[str]) -> list[tuple[str, Holder]]:
+    """``(part key, holder)`` of the newest lease of each of ``keys`` that has one."""
+    out = []
+    for key in keys:
+        _, holder = newest(storage, key)
+        if holder is not None:
+            out.append((key, holder))
+    return out
+
+
+def release_host(storage: Storage, host: str, keys: list[str], force: bool = False,
+                 fresh_s: float = 2 * HEARTBEAT_S) -> list[str]:
+    """Declare every lease of ``host`` on ``keys`` (uncommitted parts) dead now: writers elsewhere take
+    those parts over at once instead of after the lease timeout. Refused (CacheError) while a heartbeat
+    from ``host`` is younger than ``fresh_s`` (the host may be alive), unless ``force``. A writer on that
+    host that is in fact alive notices before it commits (its lease is no longer the newest). Returns the
+    keys of the parts released."""
+    mine = [(k, h) for k, h in host_leases(storage, keys) if h.host == host]
+    if mine and not force:
+        age = min(time.time() - h.heartbeat_unix for _, h in mine)
+        if age < fresh_s:
+            raise CacheError(f"host {host} wrote a lease heartbeat {max(age, 0):.0f} s ago (on {len(mine)} part(s)): it "
+                             f"may still be running; wait until it is older than {fresh_s:.0f} s (a heartbeat is "
+                             f"written every {HEARTBEAT_S:.0f} s), or pass --force if you know the host is gone")
+    storage.put(_host_file(host), json.dumps({"host": host, "released_unix": time.time(),
+                                              "by": f"{_host_name()} pid {os.getpid()}"}).encode(), durable=True)
+    return [k for k, _ in mine]
 
 
 class PartLease:
@@ -197,7 +259,7 @@ class PartLease:
         return f"{self.key}/{lease_name(self.gen)}"
 
     def record(self) -> bytes:
-        return json.dumps({"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
+        return json.dumps({"token": self.token, "host": _host_name(), "pid": os.getpid(),
                            "pidns": _PIDNS, "start": _own_start(), "acquired_unix": self.acquired_unix,
                            "heartbeat_unix": time.time()}).encode()
 
@@ -257,8 +319,8 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
         if storage.exists(f"{key}/{COMMIT}"):
             raise PartCommittedError(f"part {key} is already committed; a part is written once")
         gen, holder = newest(storage, key)
-        if holder is not None and holder.alive(timeout_s):
-            raise LeaseHeldError(key, holder)
+        if _live(storage, holder, timeout_s):
+            raise LeaseHeldError(key, holder)  # type: ignore[arg-type]
         lease = PartLease(storage, key, gen + 1)
         # known to this process as held from the moment its file exists (another thread of this process
         # reading the file must not take the part as abandoned)
@@ -267,8 +329,8 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
             _keeper.unreserve(lease.token)
             # another writer created this generation first: it holds the part unless it already gave it back
             _, contender = newest(storage, key)
-            if contender is not None and contender.alive(timeout_s):
-                raise LeaseHeldError(key, contender)
+            if _live(storage, contender, timeout_s):
+                raise LeaseHeldError(key, contender)  # type: ignore[arg-type]
             continue
         _keeper.add(lease)
         if storage.exists(f"{key}/{COMMIT}"):  # committed by the previous holder just before we looked

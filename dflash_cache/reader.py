@@ -182,6 +182,29 @@ class ArrayReader:
             self._read_shard_run(shard, k, k_end, start, stop, dest)
             k = k_end + 1
 
+    def byte_ranges(self, start: int, stop: int) -> list[tuple[str, int, int]]:
+        """``(object key, start, end)`` of the stored bytes that reading rows ``[start, stop)`` fetches:
+        one range per shard run (what :meth:`read_into` asks the storage for; none for an unsharded
+        array). Reads the shard indexes it needs (cached)."""
+        lay = self.layout
+        if stop <= start:
+            return []
+        c = lay.chunk_rows
+        first, last = start // c, (stop - 1) // c
+        if lay.shard_rows is None:
+            return []  # (whole small objects: read directly)
+        per_shard = lay.shard_rows // c
+        out = []
+        k = first
+        while k <= last:
+            shard = k // per_shard
+            k_end = min(last, (shard + 1) * per_shard - 1)
+            idx = self.shard_index(shard)[k - shard * per_shard: k_end - shard * per_shard + 1]
+            if not (idx[:, 0] == _EMPTY).any():  # (a damaged shard is reported by the read itself)
+                out.append((lay.chunk_key(shard), int(idx[:, 0].min()), int((idx[:, 0] + idx[:, 1]).max())))
+            k = k_end + 1
+        return out
+
     def _row_bytes(self) -> int:
         return int(np.prod(self.layout.row_shape, dtype=np.int64)) * self.layout.dtype.itemsize
 
@@ -257,6 +280,13 @@ class PartReader:
         """Token range ``[start, stop)`` of the sample at position ``row`` of this part."""
         offsets = self.small("offsets")
         return int(offsets[row]), int(offsets[row + 1])
+
+    def feature_ranges(self, start: int, stop: int) -> list[tuple[str, int, int]]:
+        """The byte ranges reading the features (and fp8 scales) of tokens ``[start, stop)`` fetches."""
+        out = self.readers["features"].byte_ranges(start, stop)
+        if "scales" in self.readers:
+            out += self.readers["scales"].byte_ranges(start, stop)
+        return out
 
     def read_tokens(self, start: int, stop: int) -> torch.Tensor:
         """Features of tokens ``[start, stop)`` of this part as bf16 ``[stop-start, n*H]``."""

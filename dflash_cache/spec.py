@@ -54,10 +54,17 @@ class CacheSpec:
     # None fields are left out of to_dict(), so those caches keep their fingerprint.
     mask_token_id: int | None = None
     mask_token_source: str | None = None  # one of MASK_TOKEN_SOURCES
+    # Every other setting that changes what a part holds, by its dotted config name
+    # (``extract.unit_size``, ``data.min_loss_tokens`` ...): two jobs that differ in one of them would
+    # write different bytes for the same sample, so they cannot share a cache. None (caches written
+    # before these were recorded) is left out of to_dict(), so those caches keep their fingerprint.
+    content_settings: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         object.__setattr__(self, "bucket_edges", tuple(int(e) for e in self.bucket_edges))
+        if self.content_settings is not None:
+            object.__setattr__(self, "content_settings", dict(sorted(self.content_settings.items())))
         self._validate()
 
     def _validate(self) -> None:
@@ -102,7 +109,7 @@ class CacheSpec:
         d = dataclasses.asdict(self)
         d["target_layer_ids"] = list(self.target_layer_ids)
         d["bucket_edges"] = list(self.bucket_edges)
-        for key in ("mask_token_id", "mask_token_source"):
+        for key in ("mask_token_id", "mask_token_source", "content_settings"):
             if d[key] is None:
                 del d[key]
         return d

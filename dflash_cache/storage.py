@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import fsspec.config
 
 from .errors import CacheError
 from .runtime.switches import env_switch
@@ -124,6 +125,14 @@ class Storage:
 
     def zarr_store(self, prefix: str) -> Any:
         raise NotImplementedError
+
+    def preflight(self) -> None:
+        """Check that the store can be reached (one clear error, not a traceback, when it cannot)."""
+
+    def check_exclusive_create(self) -> None:
+        """Check that :meth:`create_exclusive` really refuses a second create (leases and commit records
+        rest on it); CacheError when it does not."""
+
 
 
 class RangeReader:
@@ -363,14 +372,87 @@ def fsync_dir(path: str | Path) -> None:
 
 _CREATE_LOCK = threading.Lock()  # FsspecStorage.create_exclusive: one check-and-write at a time per process
 
+# Defaults for S3-compatible stores (docs/cache.md, "Object storage"); FSSPEC_S3='{"config_kwargs": {...}}'
+# (or any fsspec config) overrides them key by key.
+S3_DEFAULTS: dict[str, Any] = {"config_kwargs": {"max_pool_connections": 64, "connect_timeout": 10, "read_timeout": 120,
+                                                 "retries": {"max_attempts": 10, "mode": "adaptive"}}}
+_PACKAGES = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", None), "gcs": ("gcsfs", None),
+             "az": ("adlfs", None), "abfs": ("adlfs", None)}
+_BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs")
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _storage_options(protocol: str) -> dict[str, Any]:
+    if protocol not in ("s3", "s3a"):
+        return {}
+    user = fsspec.config.conf.get("s3", {})
+    return _merge(S3_DEFAULTS, user)
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def _endpoint() -> str:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
+
 
 class FsspecStorage(Storage):
     """Any fsspec filesystem (``memory://``, ``s3://``, ``gs://`` ...). Object puts are atomic."""
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        proto = _protocol(self.url)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **_storage_options(proto))
+        except ImportError:
+            package, extra = _PACKAGES.get(proto, (f"the fsspec implementation of {proto}://", None))
+            how = f"pip install 'dflash-pipeline[{extra}]'" if extra else f"pip install {package}"
+            raise CacheError(f"{url}: {proto}:// URLs need the {package} package, which is not installed: {how}") from None
+        except ValueError as err:  # unknown protocol
+            raise CacheError(f"{url}: {err}; use a local path or an fsspec URL (s3://, gs://, memory:// ...)") from None
         self.root = self.root.rstrip("/")
+
+    def preflight(self) -> None:
+        """Object stores: the bucket exists and the endpoint answers (one line each, exit 2)."""
+        proto = _protocol(self.url)
+        if proto not in _BUCKETED:
+            return
+        bucket = self.root.split("/", 1)[0]
+        where = f"endpoint {_endpoint()}" if proto in ("s3", "s3a") else f"{proto}://"
+        try:
+            self.fs.invalidate_cache(bucket)
+            self.fs.info(bucket)
+        except FileNotFoundError:
+            raise CacheError(f"{self.url}: bucket {bucket!r} does not exist at {where}: create it (e.g. `aws s3 mb "
+                             f"s3://{bucket}`) or fix the URL") from None
+        except PermissionError as err:
+            raise CacheError(f"{self.url}: access to bucket {bucket!r} at {where} was denied ({err}): check the "
+                             "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE)") from None
+        except Exception as err:  # noqa: BLE001 -- botocore/aiohttp connection errors have no common base
+            raise CacheError(f"{self.url}: cannot reach the object store at {where} ({type(err).__name__}: {err}): "
+                             "check AWS_ENDPOINT_URL, the network and the retry settings (docs/cache.md)") from None
+
+    def check_exclusive_create(self) -> None:
+        """Create one probe object twice with create-if-absent: the second must be refused."""
+        key = f".dflash-probe-{secrets.token_hex(8)}"
+        try:
+            first = self.create_exclusive(key, b"1")
+            second = self.create_exclusive(key, b"2")
+        finally:
+            with contextlib.suppress(OSError):
+                self.remove(key)
+        if not first or second:
+            raise CacheError(f"{self.url}: this store does not refuse a second create-if-absent (a conditional "
+                             f"write such as S3's If-None-Match; probe: first create {first}, second {second}): part "
+                             "leases and commit records would not be exclusive, so it is refused. Use a store (and "
+                             "fsspec adapter) that honours conditional writes, or a local / shared-filesystem path")
 
     def _p(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root

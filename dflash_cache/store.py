@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 from collections.abc import Sequence
@@ -149,11 +150,10 @@ class FeatureCache:
     def scan_parts(self) -> tuple[list[PartInfo], list[CacheCorruptError]]:
         """``(committed parts, one error per part whose commit record cannot be trusted)``."""
         out, bad = [], []
-        for b, name in self._part_dirs():
+        dirs = self._part_dirs()
+        for (b, name), raw in zip(dirs, self._commit_records(dirs), strict=True):
             key = part_key(b, name)
-            try:
-                raw = self.storage.get(f"{key}/{COMMIT}")
-            except (FileNotFoundError, NotADirectoryError):  # uncommitted, or a stray file (verify lists it)
+            if raw is None:
                 continue
             try:
                 info = PartInfo.from_record(raw, key)
@@ -173,6 +173,20 @@ class FeatureCache:
                 continue
             out.append(info)
         return out, bad
+
+    def _commit_records(self, dirs: list[tuple[int, str]]) -> list[bytes | None]:
+        """The commit record of each part directory (None: not committed). On remote stores they are read
+        16 at a time: a scan of thousands of parts is bound by latency, not bandwidth."""
+        def get(d: tuple[int, str]) -> bytes | None:
+            try:
+                return self.storage.get(f"{part_key(*d)}/{COMMIT}")
+            except (FileNotFoundError, NotADirectoryError):  # uncommitted, or a stray file (verify lists it)
+                return None
+
+        if self.storage.is_local or len(dirs) <= 1:
+            return [get(d) for d in dirs]
+        with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="dflash-scan") as pool:
+            return list(pool.map(get, dirs))
 
     def uncommitted(self) -> list[str]:
         """Keys (``buckets/<b>/<name>``) of part directories without a commit record."""
@@ -344,6 +358,7 @@ def _write_bucket_groups(storage: Storage, spec: CacheSpec) -> None:
 def open_cache(url: str, storage: Storage | None = None) -> FeatureCache:
     """Open an existing cache (local path or fsspec URL)."""
     storage = storage or make_storage(str(url))
+    storage.preflight()
     if not storage.root_exists():
         raise CacheNotFoundError(f"no cache at {url}: the path does not exist (check the path, or run "
                                  "dflash-extract to create the cache)")
@@ -359,6 +374,8 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
     if chunk_tokens <= 0 or shard_tokens % chunk_tokens:
         raise CacheError(f"shard_tokens ({shard_tokens}) must be a positive multiple of chunk_tokens ({chunk_tokens})")
     storage = storage or make_storage(str(url))
+    storage.preflight()
+    storage.check_exclusive_create()  # writers rely on it: refuse a store that ignores it
     if storage.root_is_file():
         raise NotACacheError(f"{url} is a file, not a cache directory; point --out at a new path (a directory is "
                              "created there) or at an existing cache")
@@ -368,6 +385,15 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
         attrs = _root_attrs(storage)  # another process may have just finished creating it
         if attrs is None:
             raise NotACacheError(f"{url} is a non-empty directory without a cache in it; choose a new or empty path")
+    created = False
+    if attrs is None:
+        root = {"format_version": FORMAT_VERSION, "spec": spec.to_dict(), "fingerprint": spec.fingerprint,
+                "layout": {"chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}}
+        # Create-if-absent: of several jobs starting at once, exactly one creates the cache; the others
+        # read what it wrote and are compared with it below, before they write anything.
+        created = storage.create_exclusive("zarr.json", _group_json({ATTR_KEY: root}), durable=True)
+        if not created:
+            attrs = _root_attrs(storage)
     if attrs is not None:
         cache = _cache_from_attrs(storage, attrs)
         if cache.spec.fingerprint != spec.fingerprint:
@@ -393,4 +419,4 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
         return cache
     _write_bucket_groups(storage, spec)
     log.info("created cache %s (codec %s, fingerprint %s)", url, spec.codec, spec.fingerprint)
-    return FeatureCache(storage, spec, chunk_tokens, shard_tokens)
+    return cache

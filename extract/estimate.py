@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash_cache.buckets import bucket_of
+from dflash_cache.errors import UsageError
 from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.schema import PipelineConfig
 
@@ -28,6 +29,11 @@ from .template import TokenizeStats, check_chat_template
 # fp8 adds one fp32 scale per token per layer.
 CODEC_RATIO = {"bf16-raw": 1.0, "bf16-zstd": 0.69, "bf16-lz4": 0.80, "fp8-e4m3": 0.5 * 0.87}
 SMALL_BYTES_PER_TOKEN = 5  # input_ids (int32) + loss_mask (bool), before compression
+# Decoded GB/s of features per reader core through the loader (docs/performance.md, "Loader": bf16-zstd 1.30,
+# bf16-raw 3.71 measured per CPU-second; bf16-lz4 and fp8-e4m3 not measured through the loader: codec-level
+# figures scaled the same way); override with --decode-gbps after measuring on the training host.
+DECODE_GBPS_PER_CORE = {"bf16-raw": 3.7, "bf16-zstd": 1.3, "bf16-lz4": 1.6, "fp8-e4m3": 1.0}
+DEFAULT_TOKENS_PER_S = 26_000  # a 27B-width drafter step on one H200 (README performance table)
 
 
 @dataclass
@@ -41,6 +47,9 @@ class Estimate:
     bytes_per_codec: dict[str, int] = field(default_factory=dict)
     mask_token: tuple[int, str] = (0, "")  # (id, source) recorded in the cache
     kernel_note: str = ""  # optional GPU kernels the teacher would use and that are missing
+    bytes_with_final: dict[str, int] = field(default_factory=dict)  # plus the final hidden state (width H)
+    tokens_per_s: float = DEFAULT_TOKENS_PER_S  # training speed the read bandwidth is sized for
+    decode_gbps: dict[str, float] = field(default_factory=lambda: dict(DECODE_GBPS_PER_CORE))
 
     def lines(self, codec: str) -> list[str]:
         s = self.stats
@@ -55,8 +64,21 @@ class Estimate:
                                     for b, (n, t) in enumerate(zip(self.bucket_samples, self.bucket_tokens, strict=True))),
             "projected cache size:",
         ]
+        out[-1] = (f"projected cache size (without / with the final hidden state), and reading it at "
+                   f"{self.tokens_per_s:,.0f} tokens/s:")
+        n_tok = max(self.stats.n_tokens, 1)
+        raw_per_token = (len(self.layer_ids)) * self.hidden_size * 2
         for name, n in self.bytes_per_codec.items():
-            out.append(f"  {name:10s} {human_bytes(n):>12s}{'   <- configured' if name == codec else ''}")
+            final = self.bytes_with_final.get(name, n)
+            bw = self.tokens_per_s * n / n_tok  # stored bytes per second
+            bw_final = self.tokens_per_s * final / n_tok
+            cores = self.tokens_per_s * raw_per_token / (self.decode_gbps[name] * 1e9)
+            cores_final = cores * (len(self.layer_ids) + 1) / len(self.layer_ids)
+            out.append(f"  {name:10s} {human_bytes(n):>10s} / {human_bytes(final):>10s}   read "
+                       f"{human_bytes(bw)}/s / {human_bytes(bw_final)}/s   reader cores {cores:.3g} / {cores_final:.3g}"
+                       f"{'   <- configured' if name == codec else ''}")
+        out.append(f"  (reader cores at {', '.join(f'{k} {v:g}' for k, v in self.decode_gbps.items())} GB/s "
+                   "decoded per core; see docs/sizing.md)")
         if self.kernel_note:
             out.append(f"note: {self.kernel_note} (extraction time on GPU depends on it)")
         return out
@@ -71,7 +93,8 @@ def projected_bytes(n_tokens: int, n_layers: int, hidden: int) -> dict[str, int]
     return out
 
 
-def estimate(cfg: PipelineConfig) -> Estimate:
+def estimate(cfg: PipelineConfig, tokens_per_s: float = DEFAULT_TOKENS_PER_S,
+             decode_gbps: dict[str, float] | None = None) -> Estimate:
     """Tokenize the whole data set and project the cache size (no teacher forward, no weights)."""
     tokenizer = load_tokenizer(cfg.teacher)
     text_cfg = load_teacher_config(cfg.teacher)
@@ -91,7 +114,9 @@ def estimate(cfg: PipelineConfig) -> Estimate:
     hidden = int(text_cfg.hidden_size)
     return Estimate(stats, data.n_total, hidden, layer_ids, bs, bt,
                     projected_bytes(stats.n_tokens, len(layer_ids), hidden), mask_token,
-                    kernel_hint(missing_kernels(text_cfg)))
+                    kernel_hint(missing_kernels(text_cfg)),
+                    bytes_with_final=projected_bytes(stats.n_tokens, len(layer_ids) + 1, hidden),
+                    tokens_per_s=tokens_per_s, decode_gbps={**DECODE_GBPS_PER_CORE, **(decode_gbps or {})})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,13 +128,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="input data (overrides data.path)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
+    p.add_argument("--tokens-per-s", type=float, default=DEFAULT_TOKENS_PER_S,
+                   help="training speed to size the read bandwidth and reader cores for (all ranks together)")
+    p.add_argument("--decode-gbps", action="append", default=[], metavar="CODEC=GBPS",
+                   help="decoded GB/s per reader core measured for a codec (repeatable), e.g. bf16-zstd=1.1")
     return p
+
+
+def _decode_rates(items: Sequence[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        codec, _, value = item.partition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = -1.0
+        if codec not in CODEC_RATIO or rate <= 0:
+            raise UsageError(f"--decode-gbps {item!r}: expected CODEC=GBPS with CODEC one of {list(CODEC_RATIO)} and a "
+                             "positive rate, e.g. bf16-zstd=1.1")
+        out[codec] = rate
+    return out
 
 
 def cli_main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     cfg = load_run_config(args.config, args.set, args.data, args.skip_bad)
-    est = estimate(cfg)
+    est = estimate(cfg, args.tokens_per_s, _decode_rates(args.decode_gbps))
     for line in est.lines(cfg.cache.codec):
         print(line)
     return 0

@@ -30,7 +30,7 @@ import torch
 
 from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
 from dflash_cache.errors import CacheError, ConfigError, DataError
-from dflash_cache.lease import Holder, LeaseHeldError, PartCommittedError, PartLease, acquire
+from dflash_cache.lease import LEASE_TIMEOUT_S, Holder, LeaseHeldError, PartCommittedError, PartLease, acquire
 from dflash_cache.parts import part_key
 from dflash_cache.runtime.config import config_to_dict, load_config
 from dflash_cache.runtime.dist import Distributed
@@ -146,7 +146,24 @@ def build_spec(cfg: PipelineConfig, model: Any, tokenizer: Any, layer_ids: list[
         teacher=teacher, target_layer_ids=layer_ids, tokenizer_hash=tokenizer_hash(tokenizer, template_options(cfg)),
         max_length=cfg.data.max_length, codec=cfg.cache.codec, bucket_edges=cfg.cache.bucket_edges,
         dataset_fingerprint=dataset_fp, mask_token_id=mask_id, mask_token_source=mask_source,
+        content_settings=content_settings(cfg),
     )
+
+
+def content_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """The settings (beyond teacher, layers, codec, template and buckets, which have their own spec fields)
+    that change the bytes a part holds, by dotted config name: sample rules decide which samples and
+    tokens are kept, and work units and batch composition decide which samples share a padded teacher
+    forward (whose numerics depend on it). Two jobs that differ here must not share a cache."""
+    rules = sample_rules(cfg)
+    x = cfg.extract
+    return {
+        "data.min_loss_tokens": rules.min_loss_tokens,
+        "extract.unit_size": x.unit_size, "extract.tokens_per_batch": x.tokens_per_batch,
+        "extract.max_batch_size": x.max_batch_size, "extract.batch_overhead": x.batch_overhead,
+        "cache.store_target_argmax": cfg.cache.store_target_argmax,
+        "teacher.attn_implementation": cfg.teacher.attn_implementation,
+    }
 
 
 def save_head(cache: Any, model: Any) -> None:
@@ -321,7 +338,8 @@ class UnitRunner:
             with storage_errors(self.cache.url, f"leasing the parts of unit {prep.unit}"):
                 for b in prep.unit_buckets:
                     try:
-                        leases[b] = acquire(self.cache.storage, part_key(b, prep.part))
+                        leases[b] = acquire(self.cache.storage, part_key(b, prep.part),
+                                            self.extract_cfg.lease_timeout_s or LEASE_TIMEOUT_S)
                     except PartCommittedError:
                         committed.add(b)
         except LeaseHeldError as err:

@@ -81,3 +81,17 @@ def test_bench_http_client_measures_both_transports(monkeypatch, tmp_path, capsy
     r = json.loads(out.read_text())
     for name in ("stdlib", "httpx"):
         assert r[name]["cpu_ms_per_request"]["median"] > 0 and r[name]["rps_8_in_flight_50ms"]["median"] > 0
+
+
+def test_bench_object_store_runs_every_store_and_reports_requests(monkeypatch, tmp_path):
+    out = tmp_path / "object_store.json"
+    _run(monkeypatch, "bench_object_store", "--samples", "24", "--hidden", "32", "--median-length", "64",
+         "--samples-per-part", "12", "--rounds", "1", "--locality-parts", "1", "--workdir", str(tmp_path / "w"),
+         "--out", str(out))  # (with the loopback S3 server where moto is installed)
+    res = json.loads(out.read_text())
+    stores = res["stores"]
+    assert {"local", "latency-0ms", "latency-20ms"} <= set(stores)
+    assert stores["local"]["vs_local"] == 1.0 and stores["local"]["requests_per_sample"] is None
+    for name in set(stores) - {"local"}:
+        assert stores[name]["tokens_per_s_median"] > 0 and 0 < stores[name]["requests_per_sample"] < 1
+        assert stores[name]["rounds"][0]["samples"] == 24  # every sample, from every store

@@ -102,11 +102,12 @@ class BatchAssembler:
     ``read_fn`` replaces decoding from the cache's parts by collating the samples it returns."""
 
     def __init__(self, cache: Any, pool: BatchBufferPool, feature_dim: int, decode_threads: int,
-                 read_fn: ReadFn | None = None):
+                 read_fn: ReadFn | None = None, storage: Any = None):
         self.pool, self.feature_dim = pool, feature_dim
         self._read = read_fn or cache.read_samples
-        # decode straight into batch buffers unless reads are injected (or the cache has no byte storage)
-        storage = getattr(cache, "storage", None)
+        # decode straight into batch buffers unless reads are injected (or the cache has no byte storage);
+        # ``storage``: the cache's storage seen through a read-ahead
+        storage = storage or getattr(cache, "storage", None)
         self._readers = PartReaderCache(storage, capacity=256) if read_fn is None and storage is not None else None
         self._decoders = None  # threads that decode pieces of batches (blosc runs without the GIL)
         if self._readers is not None and decode_threads > 1:
@@ -124,6 +125,11 @@ class BatchAssembler:
         n_tokens = int(t["doc_ids"].ge(0).sum())
         return Batch(**t, sample_ids=torch.from_numpy(ids.astype(np.int64)), bucket=bucket, epoch=epoch,
                      index=index, n_tokens=n_tokens, n_padded=t["input_ids"].numel() - n_tokens, seed=seed)
+
+    def reader(self, part: PartInfo) -> Any:
+        """The (cached) :class:`~dflash_cache.reader.PartReader` of ``part``."""
+        assert self._readers is not None
+        return self._readers.get(part)
 
     def close(self) -> None:
         if self._decoders is not None:

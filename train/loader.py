@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
+from dflash_cache.readahead import ReadAhead, ReadAheadSettings, ReadCounters
 from dflash_cache.runtime.schema import LoaderConfig
 
 from .assemble import BatchAssembler, ReadFn, SampleTable, batch_nbytes
@@ -188,7 +189,10 @@ class StreamingLoader:
         slot_bytes = padded_nbytes(1, slot_tokens, self.feature_dim)
         self._pool = BatchBufferPool(slot_bytes, max_slots=cfg.max_buffer_bytes // slot_bytes + cfg.num_readers + 2,
                                      pin=self._pin)
-        self._assembler = BatchAssembler(cache, self._pool, self.feature_dim, cfg.num_readers, read_fn)
+        self.read_counters = ReadCounters()
+        self._read_ahead = self._build_read_ahead(cache, cfg, read_fn)
+        self._assembler = BatchAssembler(cache, self._pool, self.feature_dim, cfg.num_readers, read_fn,
+                                         storage=self._read_ahead.view if self._read_ahead is not None else None)
         self.counters = LoaderCounters()
         self.last_stats: BatchStats | None = None
         self.status = "idle"
@@ -266,6 +270,8 @@ class StreamingLoader:
         self._shutdown()
         self._pool.clear()
         self._assembler.close()
+        if self._read_ahead is not None:
+            self._read_ahead.close()
 
     def __enter__(self) -> StreamingLoader:
         return self
@@ -307,7 +313,7 @@ class StreamingLoader:
         index = self._index_with(parts)
         # a part quarantined since it was planned (unreadable small arrays) is left out, not "missing"
         table = select_parts(index, [p for p in parts if p not in self._quarantine], self.cache.url)
-        planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings)
+        planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings, parts=table.part)
         self._planner = (key, table, planner)
         return table, planner
 
@@ -416,8 +422,43 @@ class StreamingLoader:
 
     # ---------------------------------------------------------------- reading (in the reader threads)
 
+    def _build_read_ahead(self, cache: Any, cfg: LoaderConfig, read_fn: ReadFn | None) -> ReadAhead | None:
+        """loader.read_ahead: on for object stores (``auto``), never with injected reads or a live cache
+        (whose work stream waits for new parts at window ends: items must not be held back for it)."""
+        storage = getattr(cache, "storage", None)
+        if read_fn is not None or storage is None or cfg.live or cfg.read_ahead == "off":
+            return None
+        if cfg.read_ahead == "auto" and storage.is_local:
+            return None
+        settings = ReadAheadSettings(cfg.read_ahead_bytes, cfg.requests_in_flight, cfg.coalesce_gap_bytes,
+                                     cfg.max_request_bytes)
+        return ReadAhead(storage, settings, self._item_ranges, self.read_counters, prepare=self._prepare_ranges)
+
+    def _item_ranges(self, item: _Item) -> list[tuple[str, int, int]]:
+        """The feature byte ranges of one planned batch (from the parts' offsets and shard indexes)."""
+        table, out = item.window.table, []
+        for p in (int(p) for r in item.planned.rows() for p in r):
+            try:
+                reader = self._assembler.reader(table.parts[int(table.part[p])])
+                out += reader.feature_ranges(*reader.span(int(table.row[p])))
+            except (CacheCorruptError, FileNotFoundError):
+                pass  # a damaged part is reported (or quarantined) by the read itself
+        return out
+
+    def _prepare_ranges(self, items: list[_Item]) -> None:
+        """Metadata of several planned batches read in parallel (offsets, shard indexes: then cached)."""
+        assert self._read_ahead is not None
+        self._read_ahead.map(self._item_ranges, items)
+
     def _produce(self, item: _Item) -> _Produced:
         """Assemble one planned batch, leaving out the samples of quarantined parts (loader.on_corrupt)."""
+        try:
+            return self._produce_batch(item)
+        finally:
+            if self._read_ahead is not None:
+                self._read_ahead.done(item)
+
+    def _produce_batch(self, item: _Item) -> _Produced:
         planned, win = item.planned, item.window
         rows = [[int(p) for p in r] for r in planned.rows()]
         dropped = 0
@@ -460,7 +501,10 @@ class StreamingLoader:
     def _ensure_started(self) -> None:
         if self._prefetcher is None:
             epoch, windows, index, identity = self._epoch, self._windows, self._next_index, self._window_identity
-            self._prefetcher = Prefetcher(lambda stop: self._work(epoch, windows, index, identity, stop),
+            ahead = self._read_ahead
+            self._prefetcher = Prefetcher(
+                lambda stop: (ahead.wrap if ahead is not None else iter)(self._work(epoch, windows, index, identity,
+                                                                                     stop)),
                                           self._produce, self.cfg.num_readers, self.cfg.max_buffer_bytes)
 
     def _take(self) -> Delivery[_Item] | None:
@@ -520,4 +564,6 @@ class StreamingLoader:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+            if self._read_ahead is not None:
+                self._read_ahead.reset()
         self._pending = None

@@ -168,6 +168,9 @@ class PlanSettings:
     row_tokens: int | None = None  # packed row length; None: tokens_per_batch (one row per batch)
     sort_window: int = 64  # batches' worth of tokens sorted by length together
     holdout_fraction: float = 0.0
+    # read locality: each bucket's samples are shuffled within groups of this many parts (groups in a
+    # random order), so a read-ahead window covers few parts; None: shuffled over the whole bucket
+    locality_parts: int | None = None
 
     @classmethod
     def from_config(cls, cfg: LoaderConfig, *, seed: int, num_anchors: int, block_size: int,
@@ -176,7 +179,7 @@ class PlanSettings:
         return cls(seed=seed, num_anchors=num_anchors, block_size=block_size, world_size=world_size,
                    tokens_per_batch=cfg.tokens_per_batch, max_block_positions=cfg.max_block_positions,
                    packing=cfg.packing, row_tokens=cfg.pack_row_tokens, sort_window=cfg.sort_window,
-                   holdout_fraction=cfg.holdout_fraction)
+                   holdout_fraction=cfg.holdout_fraction, locality_parts=cfg.locality_parts)
 
     def pack_row_tokens(self) -> int:
         return self.row_tokens or self.tokens_per_batch
@@ -249,9 +252,12 @@ class Planner:
     """Plans epochs over one set of index arrays. Validation, the canonical order, the holdout and the
     digest of the data are computed once here; :meth:`plan` builds one epoch (or live window)."""
 
-    def __init__(self, sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, settings: PlanSettings):
+    def __init__(self, sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, settings: PlanSettings,
+                 parts: np.ndarray | None = None):
         _check_settings(settings)
         self.settings = s = settings
+        # the part of each sample (``locality_parts``); a plan without them shuffles over whole buckets
+        self.parts = np.asarray(parts, dtype=np.int64) if parts is not None and s.locality_parts else None
         ids = np.asarray(sample_ids, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         bk = np.asarray(buckets)
@@ -291,13 +297,15 @@ class Planner:
         if not 0 <= rank < s.world_size:
             raise ConfigError(f"rank must be in [0, world_size={s.world_size}), got {rank}")
         key = (s.seed, epoch, window)
-        cut = _Cut(self.lengths, s)
+        cut = _Cut(self.lengths, s, self.parts)
         for b, pos in self.groups:
             cut.add_bucket(b, pos, np.random.default_rng([*key, b]))
         ordered = cut.interleave(np.random.default_rng([*key, 1 << 20]))
         n_split = cut.balance(ordered, s.world_size)
         h = hashlib.sha256()
-        h.update(repr((PLAN_VERSION, s, epoch, window, rank)).encode())
+        settings = repr(s) if self.parts is not None else repr(s).replace(
+            f", locality_parts={s.locality_parts!r}", "")  # (plans without locality keep their identity)
+        h.update(repr((PLAN_VERSION, settings, epoch, window, rank)).encode())
         h.update(self.digest.encode())
         return cut.epoch_plan(ordered[rank::s.world_size], epoch=epoch, window=window, rank=rank,
                               first_index=first_index, stats=ordered.stats(self.n_samples, self.n_holdout, n_split),
@@ -424,8 +432,8 @@ class _Cut:
     """The batches of one epoch, as they are formed bucket by bucket. Rows are ranges of ``positions``
     (``row_lo``/``row_hi``); a batch is a range ``[r0, r1)`` of rows, whose positions are contiguous."""
 
-    def __init__(self, lengths: np.ndarray, s: PlanSettings):
-        self.lengths, self.s = lengths, s
+    def __init__(self, lengths: np.ndarray, s: PlanSettings, parts: np.ndarray | None = None):
+        self.lengths, self.s, self.parts = lengths, s, parts
         self._pos: list[np.ndarray] = []
         self._rows: list[np.ndarray] = []  # row starts (into the concatenated positions), per bucket
         self._batches: list[_Order] = []  # each bucket's batches, in shuffled order
@@ -435,12 +443,21 @@ class _Cut:
 
     def add_bucket(self, bucket: int, pos: np.ndarray, rng: np.random.Generator) -> None:
         s = self.s
-        pos = pos[rng.permutation(len(pos))]
+        grp = None
+        if self.parts is None:
+            pos = pos[rng.permutation(len(pos))]
+        else:  # shuffled within groups of locality_parts parts, the groups in a random order
+            uniq, inv = np.unique(self.parts[pos], return_inverse=True)
+            grp = (rng.permutation(len(uniq))[inv] // s.locality_parts).astype(np.int64)
+            order = np.lexsort((rng.random(len(pos)), grp))
+            pos, grp = pos[order], grp[order]
         lens = self.lengths[pos]
         cum = np.cumsum(lens)
         window_tokens = s.sort_window * s.tokens_per_batch
         cuts = np.searchsorted(cum, np.arange(1, int(cum[-1] // window_tokens) + 1) * window_tokens, side="right")
         wid = np.searchsorted(cuts, np.arange(len(pos)), side="right")  # sort window of each sample
+        if grp is not None:  # windows (and so batches) end at group boundaries too
+            wid = grp * (len(cuts) + 1) + wid
         if s.packing:
             row_starts, order, wid_rows = self._pack(pos, lens, wid)
             pos = pos[order]
@@ -457,7 +474,10 @@ class _Cut:
         starts = _cut_starts(cap_end, bp, s.max_block_positions)
         r0 = starts + self._n_rows
         r1 = np.append(starts[1:], len(fill)) + self._n_rows
-        perm = rng.permutation(len(starts))
+        if grp is None:
+            perm = rng.permutation(len(starts))
+        else:  # batches shuffled within their group (that of their first sample): groups stay in order
+            perm = np.lexsort((rng.random(len(starts)), grp[order][row_starts[starts]]))
         batches = _Order(np.full(len(starts), bucket, dtype=np.int64), r0, r1, np.maximum.reduceat(fill, starts),
                          np.add.reduceat(fill, starts), np.add.reduceat(bp, starts))
         self._batches.append(batches[perm])

@@ -227,6 +227,10 @@ class RunDir:
     @classmethod
     def claim(cls, path: str | Path, d: Distributed) -> RunDir:
         """Rank 0 creates, checks and locks the run dir; every rank gets the same outcome (exit 2 on a refusal)."""
+        if "://" in str(path):  # (Path() would turn s3://b/run into a local directory named s3:)
+            raise RunDirError(f"--run-dir {path} is a URL: run dirs must be a local or shared-filesystem path "
+                              "(checkpoints are written, fsynced and renamed into place, which object stores cannot "
+                              "do atomically); use a local path and copy finished checkpoints to object storage")
         path = Path(path)
         lock, problem = None, None
         if d.is_main:

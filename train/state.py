@@ -38,7 +38,7 @@ RESUME_RULES: dict[str, str] = {
     "loader": "free",
     "loader.tokens_per_batch": "plan", "loader.max_block_positions": "plan", "loader.packing": "plan",
     "loader.pack_row_tokens": "plan", "loader.sort_window": "plan", "loader.holdout_fraction": "plan",
-    "loader.live": "plan",
+    "loader.live": "plan", "loader.locality_parts": "plan",
     "checkpoint": "free", "guards": "free", "eval": "free", "metrics": "free",
 }
 

@@ -158,6 +158,10 @@ class ExtractConfig(Section):
     """Background threads compressing and writing parts."""
     on_nonfinite: Literal["skip", "error"] = "skip"
     """A sample with NaN/Inf features: `skip` (counted) or `error`."""
+    lease_timeout_s: float | None = Field(None, gt=0)
+    """A part leased by a writer on another host is taken over when that writer's heartbeat (written every
+    30 s) is older than this; unset: 20 heartbeats (600 s). `dflash-cache release CACHE --host NAME` takes a
+    dead host's parts over at once."""
     batch_overhead: float = Field(0.02, ge=0)
     """Batch planning: each extra batch costs this fraction of `tokens_per_batch` (less padding vs fewer
     batches)."""
@@ -293,6 +297,11 @@ class LoaderConfig(Section):
     """Packed row length; unset: `tokens_per_batch`."""
     sort_window: int = Field(64, gt=0)
     """Batches' worth of tokens sorted by length together."""
+    locality_parts: int | None = Field(None, gt=0)
+    """Read locality for object stores: each bucket's samples are shuffled within groups of this many parts
+    (the groups in a random order each epoch) instead of over the whole bucket, so the loader's read-ahead
+    finds many planned samples per shard and coalesces them into few large requests (docs/performance.md);
+    unset: a full shuffle per bucket."""
     on_corrupt: Literal["error", "skip"] = "error"
     """A part failing its checksums: `error` (names it) or `skip` (quarantined, counted, logged)."""
     live: bool = False
@@ -307,6 +316,18 @@ class LoaderConfig(Section):
     """Samples (by id hash) kept out of training for evaluation."""
     pin_memory: bool = True
     """Page-locked host batches when a CUDA device is used."""
+    read_ahead: Literal["auto", "on", "off"] = "auto"
+    """Fetch the planned batches' feature bytes ahead of the decode threads, in few large coalesced range
+    requests with many in flight (docs/performance.md); `auto`: on for object stores and other fsspec URLs,
+    off for local paths (read in place)."""
+    read_ahead_bytes: int = Field(256 << 20, gt=0)
+    """Compressed bytes fetched (or in flight) ahead of the decode threads, at most (host memory)."""
+    requests_in_flight: int = Field(16, gt=0)
+    """Range requests running at once (separate threads from the decode threads)."""
+    coalesce_gap_bytes: int = Field(1 << 20, ge=0)
+    """Ranges of one shard object at most this far apart are fetched in one request (the gap is read too)."""
+    max_request_bytes: int = Field(64 << 20, gt=0)
+    """Largest coalesced request (a single sample's range is never split)."""
 
 
 class CheckpointConfig(Section):

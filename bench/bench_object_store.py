@@ -1,0 +1,179 @@
+"""Loader tokens/s from an object store vs local disk: the same cache, interleaved rounds.
+
+    python bench/bench_object_store.py [--samples 400] [--hidden 512] [--rounds 3] [--no-s3]
+
+Stores compared (every one reads the same cache, one epoch per round, rounds interleaved):
+- ``local``: the cache on local disk, read in place (loader.read_ahead = off: the default there);
+- ``latency-0ms`` / ``latency-20ms``: ``latency://`` (dflash_cache.latency_fs) over the same files,
+  every request waiting 0 or 20 ms and streaming at most ``--mbps`` MB/s (a per-connection cap);
+  the loader's read-ahead is on (its default for any fsspec URL);
+- ``s3``: a loopback moto S3 server (started here in a subprocess, stopped at the end) holding a
+  copy of the cache, read through s3fs. moto copies the whole object for every range GET, so it
+  measures the request pattern more than a real store's speed.
+
+Reported per store: tokens/s (median [min-max] over rounds) and its ratio to local, feature range
+requests per sample, read amplification (feature bytes fetched / stored feature bytes of the samples
+read; > 1 when coalescing reads gaps, < 1 when a read-ahead block serves two epochs) and client CPU
+seconds per GB of stored features read vs local. The page cache is warm (one untimed pass first).
+Writes bench/results/bench_object_store.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dflash_cache.latency_fs as latency_fs
+from dflash_cache import open_cache
+from dflash_cache.runtime.schema import LoaderConfig
+from dflash_cache.synthetic import make_synthetic_cache
+from train.loader import StreamingLoader
+
+BLOCKS = {"num_anchors": 512, "block_size": 16}
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality: int | None = None,
+              read_ahead_mib: int = 256) -> dict[str, float]:
+    cfg = LoaderConfig(tokens_per_batch=16384, num_readers=readers, max_buffer_bytes=1 << 30, holdout_fraction=0.0,
+                       read_ahead=read_ahead, requests_in_flight=in_flight, pin_memory=False,
+                       locality_parts=locality, read_ahead_bytes=read_ahead_mib << 20)
+    cache = open_cache(url)
+    stored = {p.key: p.feature_bytes / max(p.n_tokens, 1) for p in cache.parts()}
+    latency_fs.reset_counters()
+    t0, c0 = time.perf_counter(), _cpu()
+    tokens = samples = 0
+    used = 0.0
+    with StreamingLoader(cache, cfg, **BLOCKS, seed=0, max_epochs=1) as loader:
+        for b in loader:
+            tokens += b.n_tokens
+            samples += len(b.sample_ids)
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        rc = loader.read_counters.as_dict()
+        index = cache.index()
+        per_token = [stored[index.parts[int(p)].key] for p in index.part]
+        used = float(sum(per_token[i] * int(index.lengths[i]) for i in range(len(per_token))))
+    requests = rc["requests"] if read_ahead != "off" else None
+    return {"tokens_per_s": tokens / wall, "samples": samples, "tokens": tokens,
+            "requests_per_sample": None if requests is None else requests / samples,
+            "read_amplification": None if requests is None else rc["bytes_fetched"] / used,
+            "cpu_s_per_gb": cpu / (used / 1e9)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("moto server did not start within 60 s")
+
+
+def upload(local: str, port: int) -> str:
+    import s3fs
+
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    fs = s3fs.S3FileSystem(anon=False)
+    fs.mkdir("bench")
+    fs.put(local.rstrip("/") + "/", "bench/cache", recursive=True)
+    return "s3://bench/cache"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=400)
+    ap.add_argument("--hidden", type=int, default=512, help="teacher hidden size (5 layers captured)")
+    ap.add_argument("--median-length", type=int, default=256)
+    ap.add_argument("--samples-per-part", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--readers", type=int, default=2)
+    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--locality-parts", type=int, default=None,
+                    help="loader.locality_parts for every store (the same plan for all)")
+    ap.add_argument("--read-ahead-mib", type=int, default=256)
+    ap.add_argument("--mbps", type=float, default=100.0, help="bandwidth cap per request stream of latency://")
+    ap.add_argument("--no-s3", action="store_true", help="skip the loopback moto S3 server")
+    ap.add_argument("--workdir", default="/tmp/bench_object_store")
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results") / "bench_object_store.json"))
+    args = ap.parse_args(argv)
+
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    local = str(work / "cache")
+    make_synthetic_cache(local, n_samples=args.samples, hidden_size=args.hidden, num_layers=8,
+                         target_layer_ids=(1, 2, 3, 4, 5), median_length=args.median_length, max_length=3072,
+                         min_length=32, bucket_edges=(256, 512, 1024, 2048), samples_per_part=args.samples_per_part,
+                         chunk_tokens=256, shard_tokens=16384, with_head=False, seed=1)
+    stores = {"local": (local, "off", None), "latency-0ms": (f"latency://{local}", "auto", 0.0),
+              "latency-20ms": (f"latency://{local}", "auto", 20.0)}
+    moto = None
+    try:
+        if not args.no_s3:
+            port = _free_port()
+            moto = start_moto(port)
+            stores["s3"] = (upload(local, port), "auto", None)
+        one_epoch(local, args.readers, "off", args.in_flight, args.locality_parts)  # warm the page cache
+        runs: dict[str, list[dict]] = {k: [] for k in stores}
+        for _ in range(args.rounds):
+            for name, (url, mode, ms) in stores.items():
+                if ms is not None:
+                    latency_fs.configure(ms, args.mbps)
+                runs[name].append(one_epoch(url, args.readers, mode, args.in_flight, args.locality_parts,
+                                            args.read_ahead_mib))
+    finally:
+        if moto is not None:
+            moto.terminate()
+            moto.wait(timeout=30)
+    load = os.getloadavg()[0]
+    local_tps = statistics.median(r["tokens_per_s"] for r in runs["local"])
+    local_cpu = statistics.median(r["cpu_s_per_gb"] for r in runs["local"])
+    table = {}
+    print(f"{'store':14s} {'tokens/s median [range]':>30s} {'vs local':>9s} {'req/sample':>10s} {'read amp':>9s} "
+          f"{'CPU vs local':>12s}")
+    for name, rs in runs.items():
+        tps = [r["tokens_per_s"] for r in rs]
+        med = statistics.median(tps)
+        row = {"tokens_per_s_median": med, "tokens_per_s_range": [min(tps), max(tps)], "vs_local": med / local_tps,
+               "requests_per_sample": rs[-1]["requests_per_sample"], "read_amplification": rs[-1]["read_amplification"],
+               "cpu_per_byte_vs_local": statistics.median(r["cpu_s_per_gb"] for r in rs) / local_cpu, "rounds": rs}
+        table[name] = row
+        rps = "-" if row["requests_per_sample"] is None else f"{row['requests_per_sample']:.3f}"
+        amp = "-" if row["read_amplification"] is None else f"{row['read_amplification']:.2f}"
+        print(f"{name:14s} {med:12.0f} [{min(tps):.0f}-{max(tps):.0f}] {row['vs_local']:9.2f} {rps:>10s} {amp:>9s} "
+              f"{row['cpu_per_byte_vs_local']:12.2f}")
+    print(f"load average {load:.1f}; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "
+          f"{args.readers} readers, {args.in_flight} requests in flight, read-ahead {args.read_ahead_mib} MiB, "
+          f"locality_parts {args.locality_parts}, latency:// cap {args.mbps} MB/s per stream")
+    out = {"settings": vars(args), "load_average": load, "stores": table}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""``latency://`` -- local files behind a modelled object store: every request waits a fixed latency,
+and each request streams at most ``mbps`` MB/s (a per-connection bandwidth cap, as one S3 stream).
+
+For measuring the read path as an object store would serve it (``bench/bench_object_store.py``) and
+for counting the requests it makes (tests), without a network. Configure with
+:func:`configure` in this process (or ``DFLASH_LATENCY_MS`` / ``DFLASH_LATENCY_MBPS``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+PROTOCOL = "latency"
+
+
+class _Model:
+    latency_s = float(os.environ.get("DFLASH_LATENCY_MS", "0")) / 1000
+    bytes_per_s = float(os.environ.get("DFLASH_LATENCY_MBPS", "0")) * 1e6  # 0: no cap
+    lock = threading.Lock()
+    requests = 0  # data requests (whole or ranged GETs)
+    metadata_requests = 0  # HEAD/LIST-like requests
+    bytes_read = 0
+    in_flight = 0
+    max_in_flight = 0  # the most data requests running at once
+
+
+def configure(latency_ms: float, mbps: float) -> None:
+    """Latency per request (ms) and bandwidth per request stream (MB/s; 0: unlimited)."""
+    _Model.latency_s, _Model.bytes_per_s = latency_ms / 1000, mbps * 1e6
+
+
+def counters() -> dict[str, int]:
+    return {"requests": _Model.requests, "metadata_requests": _Model.metadata_requests,
+            "bytes_read": _Model.bytes_read, "max_in_flight": _Model.max_in_flight}
+
+
+def reset_counters() -> None:
+    with _Model.lock:
+        _Model.requests = _Model.metadata_requests = _Model.bytes_read = _Model.max_in_flight = 0
+
+
+def _wait(nbytes: int, started: float) -> None:
+    budget = _Model.latency_s + (nbytes / _Model.bytes_per_s if _Model.bytes_per_s else 0.0)
+    left = budget - (time.perf_counter() - started)
+    if left > 0:
+        time.sleep(left)
+
+
+class LatencyFileSystem(LocalFileSystem):
+    protocol = (PROTOCOL,)
+    root_marker = "/"
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = str(path)
+        if path.startswith(f"{PROTOCOL}://"):
+            path = path[len(PROTOCOL) + 3:]
+        return super()._strip_protocol(path)
+
+    def cat_file(self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        t0 = time.perf_counter()
+        with _Model.lock:
+            _Model.in_flight += 1
+            _Model.max_in_flight = max(_Model.max_in_flight, _Model.in_flight)
+        try:
+            data = super().cat_file(path, start=start, end=end, **kwargs)
+            with _Model.lock:
+                _Model.requests += 1
+                _Model.bytes_read += len(data)
+            _wait(len(data), t0)
+        finally:
+            with _Model.lock:
+                _Model.in_flight -= 1
+        return data
+
+    def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        out = super().info(path, **kwargs)
+        with _Model.lock:
+            _Model.metadata_requests += 1
+        _wait(0, t0)
+        return out
+
+    def ls(self, path: Any, detail: bool = False, **kwargs: Any) -> list[Any]:
+        t0 = time.perf_counter()
+        out = super().ls(path, detail=detail, **kwargs)
+        with _Model.lock:
+            _Model.metadata_requests += 1
+        _wait(0, t0)
+        return out
+
+
+fsspec.register_implementation(PROTOCOL, LatencyFileSystem, clobber=True)

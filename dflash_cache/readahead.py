@@ -1,0 +1,251 @@
+"""Read-ahead of planned feature bytes: few large range requests, many in flight, off the decode threads.
+
+The loader knows its plan, so the byte ranges the next batches need are known before any decode
+thread asks for them. :class:`ReadAhead` walks the work stream ahead of the decode threads (up to
+``read_ahead_bytes`` of compressed bytes fetched or in flight), turns each planned sample into the
+byte ranges of the shard chunks it covers, merges the ranges of a whole look-ahead group that lie
+in one shard object and are at most ``coalesce_gap_bytes`` apart into one request (at most
+``max_request_bytes``, never splitting one sample's range), and keeps ``requests_in_flight`` such
+requests running on its own threads. Decode threads read through :class:`ReadAheadStorage`: a range
+that a fetched (or in-flight) block covers is served from memory; anything else is read directly,
+as without read-ahead. The bytes are the same either way, so batches are bitwise the same and
+resume (which restarts the stream at a plan position) is unchanged.
+
+Memory is bounded: the walk stops while ``read_ahead_bytes`` are held, and a block is dropped as
+soon as every batch that needed it has been assembled. Metadata the ranges depend on (each part's
+offsets and shard indexes) is read for all parts new to a group at once, in parallel.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .storage import BytesRangeReader, RangeReader, Storage
+
+T = TypeVar("T")
+_WALK_STEP = 8  # items whose metadata is loaded together
+Range = tuple[str, int, int]  # (object key, start, end) in bytes
+
+
+@dataclass(frozen=True)
+class ReadAheadSettings:
+    read_ahead_bytes: int = 256 << 20
+    requests_in_flight: int = 16
+    coalesce_gap_bytes: int = 1 << 20
+    max_request_bytes: int = 64 << 20
+
+
+@dataclass
+class ReadCounters:
+    """What the read path did (``requests``: range requests issued for features, by read-ahead or
+    directly; ``bytes_fetched``: bytes those returned; ``bytes_decoded``: compressed bytes handed to the decoders,
+    a chunk shared by two samples counted for each)."""
+
+    requests: int = 0
+    direct_requests: int = 0
+    bytes_fetched: int = 0
+    bytes_decoded: int = 0
+    metadata_requests: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **kv: int) -> None:
+        with self._lock:
+            for k, v in kv.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("requests", "direct_requests", "bytes_fetched", "bytes_decoded",
+                                               "metadata_requests")}
+
+
+class _Block:
+    __slots__ = ("key", "lo", "hi", "future", "users")
+
+    def __init__(self, key: str, lo: int, hi: int, future: concurrent.futures.Future, users: int):
+        self.key, self.lo, self.hi, self.future, self.users = key, lo, hi, future, users
+
+
+def coalesce(ranges: Iterable[Range], gap: int, max_bytes: int) -> list[Range]:
+    """Merge ranges of one object that overlap or lie at most ``gap`` bytes apart, while the merged
+    request stays within ``max_bytes`` (a single longer range is kept whole)."""
+    by_key: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+    for key, lo, hi in ranges:
+        by_key[key].append((lo, hi))
+    out: list[Range] = []
+    for key in sorted(by_key):
+        cur_lo, cur_hi = None, None
+        for lo, hi in sorted(by_key[key]):
+            if cur_lo is not None and lo - cur_hi <= gap and max(hi, cur_hi) - cur_lo <= max_bytes:
+                cur_hi = max(cur_hi, hi)
+                continue
+            if cur_lo is not None:
+                out.append((key, cur_lo, cur_hi))
+            cur_lo, cur_hi = lo, hi
+        if cur_lo is not None:
+            out.append((key, cur_lo, cur_hi))
+    return out
+
+
+class ReadAhead:
+    """See the module docstring. ``ranges_of(items)`` gives each item's byte ranges (it may read
+    metadata; it is called on the walking thread); ``prepare(items)`` (optional) loads the metadata of
+    a group in parallel first, using :meth:`map` ."""
+
+    def __init__(self, storage: Storage, settings: ReadAheadSettings,
+                 ranges_of: Callable[[Any], list[Range]], counters: ReadCounters | None = None,
+                 prepare: Callable[[list[Any]], None] | None = None):
+        self.storage, self.settings, self._ranges_of, self._prepare = storage, settings, ranges_of, prepare
+        self.counters = counters or ReadCounters()
+        self._pool = concurrent.futures.ThreadPoolExecutor(settings.requests_in_flight,
+                                                           thread_name_prefix="dflash-fetch")
+        self._lock = threading.Lock()
+        self._blocks: dict[str, list[_Block]] = collections.defaultdict(list)
+        self._of_item: dict[int, list[_Block]] = {}
+        self._held = 0  # bytes of blocks not yet dropped
+        self.max_held = 0  # the most ever held (bounded by read_ahead_bytes plus one walk step)
+        self._closed = False
+        self.view = ReadAheadStorage(storage, self)
+
+    # -- the walk --------------------------------------------------------------------------------
+
+    def wrap(self, work: Iterator[T]) -> Iterator[T]:
+        """``work`` in the same order, fetched ahead. Refills when less than half the budget is held,
+        then walks until the budget is reached: each refill is one group, coalesced together."""
+        queue: collections.deque[T] = collections.deque()  # issued, not yet handed out
+        spare: collections.deque[T] = collections.deque()  # metadata loaded, not yet issued
+        exhausted = False
+        budget = self.settings.read_ahead_bytes
+        while True:
+            held = self._held_bytes()
+            if not queue or held < budget // 2:
+                group: list[T] = []
+                ranges: list[list[Range]] = []
+                while (held < budget or not group and not queue) and not self._closed:
+                    if not spare and not exhausted:
+                        step = list(itertools.islice(work, _WALK_STEP))
+                        exhausted = len(step) < _WALK_STEP
+                        if self._prepare is not None and step:
+                            self._prepare(step)  # metadata of the parts new to these items, in parallel
+                        spare.extend(step)
+                    if not spare:
+                        break
+                    group.append(spare.popleft())
+                    ranges.append(self._ranges_of(group[-1]))
+                    held += sum(hi - lo for _, lo, hi in ranges[-1])
+                if group:
+                    self._issue(group, ranges)
+                    queue.extend(group)
+            if not queue:
+                return
+            yield queue.popleft()
+
+    def _held_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+    def map(self, fn: Callable[[Any], Any], args: Iterable[Any]) -> list[Any]:
+        """``fn`` over ``args`` on the fetch threads (metadata reads of a group, in parallel)."""
+        return list(self._pool.map(fn, args))
+
+    def _issue(self, group: list[Any], per_item: list[list[Range]]) -> None:
+        s = self.settings
+        # (gaps read with a merge are held too: small budgets merge only small gaps)
+        gap = min(s.coalesce_gap_bytes, s.read_ahead_bytes // 64)
+        merged = coalesce((r for rs in per_item for r in rs), gap, min(s.max_request_bytes, s.read_ahead_bytes))
+        blocks: dict[str, list[_Block]] = collections.defaultdict(list)
+        for key, lo, hi in merged:
+            blocks[key].append(_Block(key, lo, hi, self._pool.submit(self._fetch, key, lo, hi), 0))
+        with self._lock:
+            for item, ranges in zip(group, per_item, strict=True):
+                mine: list[_Block] = []
+                for key, lo, hi in ranges:
+                    b = next(b for b in blocks[key] if b.lo <= lo and hi <= b.hi)
+                    if b not in mine:
+                        b.users += 1
+                        mine.append(b)
+                self._of_item[id(item)] = mine
+            for key, bs in blocks.items():
+                self._blocks[key] += bs
+                self._held += sum(b.hi - b.lo for b in bs)
+            self.max_held = max(self.max_held, self._held)
+
+    def _fetch(self, key: str, lo: int, hi: int) -> bytes:
+        data = self.storage.get_range(key, lo, hi)
+        self.counters.add(requests=1, bytes_fetched=len(data))
+        return data
+
+    # -- serving and releasing -------------------------------------------------------------------
+
+    def lookup(self, key: str, lo: int, hi: int) -> RangeReader | None:
+        with self._lock:
+            block = next((b for b in self._blocks.get(key, ()) if b.lo <= lo and hi <= b.hi), None)
+        if block is None:
+            return None
+        return BytesRangeReader(block.future.result(), block.lo)
+
+    def done(self, item: Any) -> None:
+        """Every range ``item`` needed has been decoded: drop the blocks nobody else needs."""
+        with self._lock:
+            for b in self._of_item.pop(id(item), []):
+                b.users -= 1
+                if b.users <= 0:
+                    self._drop(b)
+
+    def _drop(self, b: _Block) -> None:
+        blocks = self._blocks.get(b.key, [])
+        if b in blocks:
+            blocks.remove(b)
+            self._held -= b.hi - b.lo
+            if not blocks:
+                del self._blocks[b.key]
+
+    def reset(self) -> None:
+        """Drop every block (the work stream restarts elsewhere: a resume, a new epoch)."""
+        with self._lock:
+            for blocks in self._blocks.values():
+                for b in blocks:
+                    b.future.cancel()
+            self._blocks.clear()
+            self._of_item.clear()
+            self._held = 0
+
+    def close(self) -> None:
+        self._closed = True
+        self.reset()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ReadAheadStorage:
+    """``storage`` with range reads served from a :class:`ReadAhead`'s blocks where they cover them."""
+
+    def __init__(self, inner: Storage, ahead: ReadAhead):
+        self.inner, self.ahead = inner, ahead
+        self.url, self.is_local = inner.url, inner.is_local
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def get(self, key: str) -> bytes:
+        self.ahead.counters.add(metadata_requests=1)
+        return self.inner.get(key)
+
+    def get_suffix(self, key: str, n: int) -> bytes:
+        self.ahead.counters.add(metadata_requests=1)
+        return self.inner.get_suffix(key, n)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.inner.get_range(key, start, end)
+
+    def open_range(self, key: str, start: int, end: int) -> RangeReader:
+        self.ahead.counters.add(bytes_decoded=end - start)
+        got = self.ahead.lookup(key, start, end)
+        if got is not None:
+            return got
+        self.ahead.counters.add(requests=1, direct_requests=1, bytes_fetched=end - start)
+        return self.inner.open_range(key, start, end)

@@ -1,0 +1,185 @@
+"""The loader's read-ahead: the same batches bitwise (and the same resume) from a modelled object store
+as from local disk read in place, in a few coalesced range requests, within its memory budget."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dflash_cache.latency_fs as latency_fs
+from dflash_cache import open_cache
+from dflash_cache.readahead import coalesce
+from dflash_cache.runtime.schema import LoaderConfig
+from dflash_cache.synthetic import make_synthetic_cache
+from train.loader import StreamingLoader
+
+N = 400
+BLOCKS = {"num_anchors": 512, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def cache_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("readahead") / "cache")
+    make_synthetic_cache(path, n_samples=N, seed=4)
+    return path
+
+
+def _cfg(**kw) -> LoaderConfig:
+    base = {"tokens_per_batch": 1024, "num_readers": 2, "max_buffer_bytes": 1 << 24, "holdout_fraction": 0.0}
+    return LoaderConfig(**{**base, **kw})
+
+
+def _digest(batches) -> str:
+    h = hashlib.sha256()
+    for b in batches:
+        for t in (b.features.view(torch.int16), b.input_ids, b.loss_mask, b.doc_ids, b.position_ids, b.sample_ids):
+            h.update(t.contiguous().numpy().tobytes())
+        h.update(repr((b.bucket, b.epoch, b.index, b.seed, b.n_tokens, b.n_padded)).encode())
+    return h.hexdigest()
+
+
+def _epochs(url: str, epochs: int = 2, **kw) -> tuple[list, StreamingLoader]:
+    loader = StreamingLoader(open_cache(url), _cfg(**kw), **BLOCKS, seed=7, max_epochs=epochs)
+    out = []
+    with loader:
+        while loader.epoch < epochs:
+            out.extend(loader)
+    return out, loader
+
+
+def test_coalesce_merges_near_ranges_of_one_object_within_the_request_cap() -> None:
+    ranges = [("a", 0, 10), ("a", 15, 30), ("a", 100, 120), ("b", 0, 5), ("a", 28, 40)]
+    assert coalesce(ranges, gap=5, max_bytes=1000) == [("a", 0, 40), ("a", 100, 120), ("b", 0, 5)]
+    assert coalesce(ranges, gap=100, max_bytes=1000) == [("a", 0, 120), ("b", 0, 5)]
+    assert coalesce(ranges, gap=100, max_bytes=35) == [("a", 0, 30), ("a", 28, 40), ("a", 100, 120), ("b", 0, 5)]
+    assert coalesce([("a", 0, 500)], gap=0, max_bytes=10) == [("a", 0, 500)]  # one range is never split
+
+
+def test_store_batches_equal_local_batches_in_few_requests(cache_path: str) -> None:
+    local, _ = _epochs(cache_path, read_ahead="off")
+    latency_fs.configure(0, 0)
+    latency_fs.reset_counters()
+    remote, loader = _epochs(f"latency://{cache_path}", read_ahead="auto")
+    assert _digest(remote) == _digest(local)
+    c = loader.read_counters.as_dict()
+    samples = sum(len(b.sample_ids) for b in remote)
+    assert c["direct_requests"] == 0 and c["requests"] > 0, c
+    # the budget holds the whole cache (both epochs' ranges are coalesced into the same blocks): every
+    # stored feature byte is fetched, and none more than once per epoch
+    stored = sum(p.feature_bytes for p in open_cache(cache_path).parts())
+    assert c["bytes_decoded"] > 0 and 0.9 * stored <= c["bytes_fetched"] <= 2 * stored, (c, stored)
+    assert c["requests"] / samples <= 0.1, (c, samples)
+    assert latency_fs.counters()["requests"] >= c["requests"]
+
+
+def test_a_small_read_ahead_budget_bounds_memory_and_keeps_the_batches(cache_path: str) -> None:
+    local, _ = _epochs(cache_path, epochs=1, read_ahead="off")
+    budget = 256 << 10
+    remote, loader = _epochs(f"latency://{cache_path}", epochs=1, read_ahead="on", read_ahead_bytes=budget,
+                             requests_in_flight=3)
+    assert _digest(remote) == _digest(local)
+    assert loader._read_ahead is not None
+    held = loader._read_ahead.max_held
+    largest_item = max(b.features.numel() * 2 for b in remote)  # decoded bytes bound one walk step's fetch
+    assert 0 < held <= 2 * budget + 3 * largest_item, (held, budget)  # budget + gaps + items being decoded
+    assert loader.read_counters.requests > 2  # many groups, not one
+
+
+def test_resume_through_read_ahead_is_bitwise(cache_path: str) -> None:
+    url = f"latency://{cache_path}"
+    full, _ = _epochs(url, read_ahead="on")
+    cut = int(np.random.default_rng().integers(1, len(full) - 1))
+    first = StreamingLoader(open_cache(url), _cfg(read_ahead="on"), **BLOCKS, seed=7, max_epochs=2)
+    got = []
+    while len(got) < cut:
+        for b in first:
+            got.append(b)
+            if len(got) == cut:
+                break
+    state = first.state_dict()
+    first.close()
+    resumed = StreamingLoader(open_cache(url), _cfg(read_ahead="on"), **BLOCKS, seed=7, max_epochs=2)
+    resumed.load_state_dict(state)
+    rest = []
+    with resumed:
+        while resumed.epoch < 2:
+            rest.extend(resumed)
+    assert _digest(got + rest) == _digest(full)
+
+
+def test_commit_scan_and_verify_overlap_their_requests_and_agree_with_local(tmp_path) -> None:
+    from dflash_cache import verify_cache
+    from dflash_cache.synthetic import make_synthetic_cache
+
+    path = str(tmp_path / "cache")
+    make_synthetic_cache(path, n_samples=160, samples_per_part=8, seed=2)  # 20+ parts
+    local = open_cache(path).parts()
+    latency_fs.configure(5, 0)
+    try:
+        latency_fs.reset_counters()
+        remote = open_cache(f"latency://{path}").parts()
+        assert [(p.key, p.n_samples, p.n_tokens) for p in remote] == [(p.key, p.n_samples, p.n_tokens) for p in local]
+        assert latency_fs.counters()["max_in_flight"] > 1  # commit records read concurrently
+        # damage one part: the parallel verify reports exactly what a one-thread verify reports
+        shard = sorted(Path(path).glob("buckets/*/*/features/c/0/0"))[0]
+        raw = bytearray(shard.read_bytes())
+        raw[100] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+        latency_fs.reset_counters()
+        parallel = verify_cache(f"latency://{path}", raise_on_error=False)
+        assert latency_fs.counters()["max_in_flight"] > 1
+    finally:
+        latency_fs.configure(0, 0)
+    serial = verify_cache(path, raise_on_error=False, threads=1)
+    assert not serial.ok and [str(p) for p in parallel.problems] == [str(p) for p in serial.problems]
+    assert (parallel.n_parts, parallel.n_samples) == (serial.n_parts, serial.n_samples)
+
+
+def _parts_seen(plan, table_part: np.ndarray, bucket: int) -> list[set[int]]:
+    return [{int(table_part[p]) for p in b.positions} for b in plan.batches if b.bucket == bucket]
+
+
+def test_locality_plans_each_sample_once_and_keeps_to_few_parts_at_a_time(cache_path: str) -> None:
+    from train.plan import Planner, PlanSettings
+
+    index = open_cache(cache_path).index()
+    part = np.asarray(index.part)
+    base = PlanSettings(seed=3, num_anchors=512, block_size=16, tokens_per_batch=1024)
+    for world in (1, 2):
+        local = PlanSettings(**{**base.__dict__, "locality_parts": 1, "world_size": world})
+        planner = Planner(index.sample_ids, index.lengths, index.buckets, local, parts=part)
+        plans = [planner.plan(0, rank=r) for r in range(world)]
+        ids = np.concatenate([index.sample_ids[b.positions] for p in plans for b in p.batches])
+        assert sorted(ids.tolist()) == sorted(index.sample_ids.tolist())  # every sample once
+    plan = Planner(index.sample_ids, index.lengths, index.buckets,
+                   PlanSettings(**{**base.__dict__, "locality_parts": 1}), parts=part).plan(0)
+    full = Planner(index.sample_ids, index.lengths, index.buckets, base, parts=part).plan(0)
+    assert plan.identity != full.identity
+    assert full.identity == Planner(index.sample_ids, index.lengths, index.buckets, base).plan(0).identity
+    multi = 0
+    for bucket in sorted(set(int(b) for b in index.buckets)):
+        seen_local, seen_full = _parts_seen(plan, part, bucket), _parts_seen(full, part, bucket)
+        # one part per group: a batch draws from one part (two where a sort window straddles groups), and
+        # the bucket's batches visit each part in one run
+        assert max(len(s) for s in seen_local) <= 2
+        runs = [min(s) for s in seen_local]
+        switches = sum(1 for a, b in zip(runs, runs[1:], strict=False) if a != b)
+        assert switches <= 2 * len(set().union(*seen_local)), (bucket, switches)
+        multi += sum(len(s) > 1 for s in seen_full)
+    assert multi > 0  # the full shuffle mixes parts in a batch: the comparison means something
+
+
+def test_locality_cuts_requests_per_sample_through_the_read_ahead(cache_path: str) -> None:
+    budget = 1 << 20  # a read-ahead far smaller than the cache: locality decides the request count
+    shuffled, a = _epochs(f"latency://{cache_path}", epochs=1, read_ahead="on", read_ahead_bytes=budget)
+    local_order, b = _epochs(f"latency://{cache_path}", epochs=1, read_ahead="on", read_ahead_bytes=budget,
+                             locality_parts=1)
+    n = sum(len(x.sample_ids) for x in shuffled)
+    assert n == sum(len(x.sample_ids) for x in local_order) == N
+    assert sorted(torch.cat([x.sample_ids for x in local_order]).tolist()) == list(range(N))
+    per_sample = b.read_counters.requests / n
+    assert per_sample < a.read_counters.requests / n, (per_sample, a.read_counters.requests / n)
