@@ -304,3 +304,17 @@ def test_dflash_train_trains_a_dflash2_drafter_and_logs_selector_metrics(tmp_pat
         names = set(f.keys())
     assert "layers.1.mlp_conv.base_kernel" in names
     assert any(n.startswith("candidate_selector.") for n in names)
+
+
+def test_a_batch_without_blocks_reports_the_same_selector_sums():
+    """Data-parallel ranks all-reduce the selector sums: a rank whose batch has no anchor sends zeros of the same
+    keys and shapes."""
+    model = dflash2_drafter()
+    batch = tiny_batch(rows=1, length=40, seed=2)
+    full = dflash2_loss(model, batch, num_anchors=4).metrics
+    batch.loss_mask[:] = False
+    empty = dflash2_loss(model, batch, num_anchors=4).metrics
+    keys = sorted(k for k in full if k.startswith("sums/"))
+    assert keys == sorted(k for k in empty if k.startswith("sums/"))
+    assert all(full[k].shape == empty[k].shape for k in keys)
+    assert all(float(empty[k].sum()) == 0 for k in keys if k != "sums/selector_micro")

@@ -356,15 +356,18 @@ def dflash2_loss(model: DFlash2Drafter, batch: BatchLike, *, num_anchors: int = 
         generator = torch.Generator().manual_seed(int(batch.seed))
     flat = FlatBatch.of(batch)
     anchors = sample_anchors(flat.eligible, flat.docs, num_anchors, generator)  # [A]
+    has_selector = isinstance(model, DFlash2Drafter)
     if anchors.numel() == 0:
-        return _empty_loss(model, B)
+        out = _empty_loss(model, B)
+        if has_selector:  # every rank sums the same metrics (data-parallel all-reduce)
+            out.metrics.update(_zero_selector_sums(B, out.loss.device))
+        return out
     blocks = build_blocks(flat, anchors, B, model.config.mask_token_id)
     rows = blocks.row_valid.reshape(-1).nonzero().flatten()  # the counted rows: [N]
     hidden, blocks = run_blocks(model, batch, blocks)  # [A, B, H]
     rows = rows.to(hidden.device)
     h = hidden.reshape(-1, hidden.shape[-1])[rows]  # [N, H]
     gold = blocks.targets.reshape(-1)[rows]  # [N]
-    has_selector = isinstance(model, DFlash2Drafter)
     k = model.candidate_selector.top_k if has_selector else 1
     mult, cap = float(model.config.output_multiplier), model.config.final_logit_softcapping
     ce, pred_rows, top_val, top_idx, gold_logit = UnaryTopK.apply(h, model.lm_head, gold, k, (mult, cap), chunk_rows)
@@ -389,6 +392,15 @@ def dflash2_loss(model: DFlash2Drafter, batch: BatchLike, *, num_anchors: int = 
     metrics["loss"] = loss.detach()
     metrics["weight_sum"] = w.sum()
     return LossOutput(loss=loss, metrics=metrics)
+
+
+def _zero_selector_sums(block_size: int, device: torch.device) -> dict[str, Tensor]:
+    """The ``sums/selector_*`` metrics of a batch without blocks (same keys and shapes as a real batch's)."""
+    per_position = torch.zeros(block_size - 1, dtype=torch.long, device=device)
+    one = torch.zeros(1, device=device)
+    return {"sums/selector_correct": per_position, "sums/selector_topk_hit": per_position.clone(),
+            "sums/selector_rows": per_position.clone(), "sums/selector_accepted": one.long(),
+            "sums/selector_blocks": one.long(), "sums/selector_loss": one, "sums/selector_micro": one + 1}
 
 
 def uses_dflash2_loss(cfg: DFlashConfig) -> bool:
