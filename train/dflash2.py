@@ -25,7 +25,7 @@ top-K is ``train.selector_gold_outside``: ``drop`` (no selector loss for that ro
 extra candidate). ``train.selector_detach_backbone`` stops the selector loss at the hidden states and unary logits.
 
 Full-vocabulary logits exist for at most ``chunk_rows`` rows at a time (:class:`UnaryTopK`), as in the DFlash
-loss; the top-K candidates' logits carry their gradient back through the frozen lm_head chunk by chunk.
+loss; the top-K candidates' logits carry their gradient back through their own rows of the frozen lm_head.
 """
 
 from __future__ import annotations
@@ -207,8 +207,9 @@ class UnaryTopK(torch.autograd.Function):
     transformed logits and ids, and the target's transformed logit, ``chunk`` rows of logits at a time.
 
     Differentiable in ``hidden`` through the CE (its gradient is formed during the forward, as in
-    ``ChunkedCrossEntropy``), the top-K values and the target logit (their gradient is scattered into one chunk of
-    vocabulary-wide rows and multiplied by the lm_head in the backward)."""
+    ``ChunkedCrossEntropy``), the top-K values and the target logit (their gradient is a weighted sum of the
+    candidates' lm_head rows, gathered a few block rows at a time in the backward: no second vocabulary-wide
+    product)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, k: int,
@@ -257,16 +258,19 @@ class UnaryTopK(torch.autograd.Function):
             return out, None, None, None, None, None
         coef_top = (g_top.float() * transform_slope(top_val, mult, cap)) if g_top is not None else None  # [N, K]
         coef_gold = (g_gold.float() * transform_slope(gold, mult, cap)) if g_gold is not None else None  # [N]
-        V = w_mat.shape[0]
-        for s in range(0, N, ctx.chunk):
-            e = min(N, s + ctx.chunk)
-            dz = torch.zeros(e - s, V, dtype=torch.float32, device=out.device)  # [c, V]: d loss / d raw logits
+        # d raw logit / d h is the candidate's lm_head row: gather the K rows of a few block rows at a time
+        # (N K H work instead of a vocabulary-wide N V H product), at most a logits chunk's bytes at once
+        V, H = w_mat.shape
+        K = top_idx.shape[1]
+        step = max(1, (ctx.chunk * V * 4) // (K * H * w_mat.element_size()))
+        for s in range(0, N, step):
+            e = min(N, s + step)
             if coef_top is not None:
-                dz.scatter_add_(1, top_idx[s:e], coef_top[s:e])
+                rows = w_mat[top_idx[s:e]]  # [n, K, H]
+                out[s:e] += torch.bmm(coef_top[s:e].to(rows.dtype).unsqueeze(1), rows).squeeze(1).to(out.dtype)
+                del rows
             if coef_gold is not None:
-                dz.scatter_add_(1, targets[s:e].unsqueeze(1), coef_gold[s:e].unsqueeze(1))
-            out[s:e] += dz.to(out.dtype) @ w_mat
-            del dz
+                out[s:e] += (coef_gold[s:e].unsqueeze(1) * w_mat[targets[s:e]].float()).to(out.dtype)
         return out, None, None, None, None, None
 
 

@@ -236,7 +236,7 @@ def with_dflash2_terms(est: MemoryEstimate, shape: DrafterShape, step: StepShape
       taps (the input of the first is already the norm's output): ``4 (K + 1) H + 4 (2 K G)`` elements;
     * the loss head: the top-K values and ids [N, K] (fp32 + int64), the rescored candidates and their
       softmax (3 x [N, K] fp32), the gathered successor codes [N, K, r] (fp32, kept for backward), and in the
-      backward one [chunk, V] fp32 scatter of the candidates' gradients (as large as a logits chunk)."""
+      backward the candidates' gathered lm_head rows (at most a logits chunk's bytes at a time)."""
     H, V, c = shape.hidden, shape.vocab, precision.compute_bytes
     K, k_sel, r = model_cfg.conv_kernel_size, min(model_cfg.selector_top_k, V), model_cfg.selector_rank
     G = H // model_cfg.conv_group_size
