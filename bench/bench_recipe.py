@@ -84,7 +84,7 @@ def run_one(config: str, overrides: list[str], cache_url: str, run_dir: Path) ->
         "tau": tf.acceptance_length, "heldout_blocks": tf.n_blocks, "steps": result.step,
         "skipped_steps": result.skipped, "train_wall_s": round(wall, 2),
         "train_cpu_s": round(sum(r["perf/step_cpu_s"] for r in records), 2),
-        "final_loss": records[-1]["loss"], "accuracy_per_position": tf.per_position_accuracy,
+        "final_loss": records[-1]["train/loss"], "accuracy_per_position": tf.per_position_accuracy,
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
     }
 
