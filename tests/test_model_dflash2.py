@@ -4,6 +4,8 @@ selector loss, each against a direct computation written here (per-block / per-r
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 
@@ -11,9 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fixtures.drafters import tiny_batch, tiny_config, tiny_head
-from fixtures.trainer import run_train, small_cache
+from fixtures.trainer import CONFIG, run_train, small_cache
 
 from train.dflash2 import DFlash2Drafter, GroupedDynamicConv, SelectorLoss, UnaryTopK, dflash2_loss
+from train.evaluate import cli_main as eval_main
+from train.export import cli_main as export_main
 from train.model import DFlashDrafter
 from train.objective import FlatBatch, build_blocks, default_gamma, forward_blocks, sample_anchors
 
@@ -304,6 +308,16 @@ def test_dflash_train_trains_a_dflash2_drafter_and_logs_selector_metrics(tmp_pat
         names = set(f.keys())
     assert "layers.1.mlp_conv.base_kernel" in names
     assert any(n.startswith("candidate_selector.") for n in names)
+    # the same run through `dflash-train eval` (the selected path's teacher-forced tau) and `export`
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert eval_main([str(CONFIG), "--cache", cache, "--checkpoint", str(run), "--samples", "all", "--json",
+                          "--device", "cpu", "--set", "model.mask_token_id=511"]) == 0
+    report = json.loads(buf.getvalue().strip().splitlines()[-1])
+    assert 1.0 <= report["acceptance_length"] <= 8 and report["n_blocks"] > 0
+    assert export_main([str(run), "--out", str(tmp_path / "export")]) == 0
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"] and exported["dflash_config"]["selector_top_k"] == 32
 
 
 def test_a_batch_without_blocks_reports_the_same_selector_sums():
