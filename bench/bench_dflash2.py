@@ -1,8 +1,8 @@
 """DFlash2 vs DFlash on the CPU at one tiny shape: training step time and one block's drafting time, and the
 ``dflash-train estimate`` peak of the DFlash2 27B preset against the DFlash one.
 
-Both drafters have the tiny preset's shape (hidden 128, 2 layers, block 8, vocabulary 768; DFlash2 with its
-defaults: convolution 2/16, selector top 256 / rank 16). Rounds interleave the two families so load from other
+Both drafters have the tiny preset's shape by default (hidden 128, 2 layers, block 8, vocabulary 768; DFlash2
+with its defaults: convolution 2/16, selector top 256 / rank 16); ``--hidden`` / ``--vocab`` change it. Rounds interleave the two families so load from other
 processes hits both alike; each round times ``--steps`` training steps (``train_step``: forward, loss, backward,
 AdamW) and ``--drafts`` block drafts (``train.evaluate.propose``: one drafter forward over a 256-token context, then
 the argmax or the selector's walk). Reports the median and range over rounds, and the DFlash2 / DFlash ratios.
@@ -41,9 +41,10 @@ HIDDEN, VOCAB, LAYERS, BLOCK = 128, 768, 3, 8
 
 def drafter(arch: str) -> Any:
     torch.manual_seed(0)
-    cfg = DFlashConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=32, intermediate_size=256, vocab_size=VOCAB, block_size=BLOCK, mask_token_id=VOCAB - 1,
-                       target_layer_ids=[1, 2, 3], num_target_layers=6, arch=arch)
+    heads = max(4, HIDDEN // 32)
+    cfg = DFlashConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=2,
+                       head_dim=32, intermediate_size=2 * HIDDEN, vocab_size=VOCAB, block_size=BLOCK,
+                       mask_token_id=VOCAB - 1, target_layer_ids=[1, 2, 3], num_target_layers=6, arch=arch)
     g = torch.Generator().manual_seed(0)
     head = torch.randn(VOCAB, HIDDEN, generator=g) * 0.1
     return drafter_class(cfg)(cfg, head, head, attention="sdpa").train()
@@ -68,8 +69,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="training steps timed per round and family")
     ap.add_argument("--drafts", type=int, default=20, help="block drafts timed per round and family")
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="drafter (and target) hidden size")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="target vocabulary")
     ap.add_argument("--out", default=str(RESULTS / "bench_dflash2.json"))
     args = ap.parse_args()
+    global HIDDEN, VOCAB
+    HIDDEN, VOCAB = args.hidden, args.vocab
     torch.set_num_threads(1)
     tcfg = TrainConfig(num_anchors=32, optimizer="adamw")
     b = batch()
@@ -107,7 +112,7 @@ def main() -> None:
         rep = estimate_run(load_config(ROOT / "configs" / f"{preset}.toml"), device="cuda", gpu_memory_gib=96)
         peaks[preset] = {"peak_gib": round(rep.peak.device_peak / 2**30, 2), "fits_96_gib": rep.fits}
     out = {
-        "shape": {"hidden": HIDDEN, "vocab": VOCAB, "layers": 2, "block_size": BLOCK, "selector_top_k": 256,
+        "shape": {"hidden": HIDDEN, "vocab": VOCAB, "layers": 2, "intermediate": 2 * HIDDEN, "block_size": BLOCK, "selector_top_k": 256,
                   "selector_rank": 16, "conv_kernel_size": 2, "conv_group_size": 16, "context_tokens": 512,
                   "anchors_per_step": "32 per document, 2 documents"},
         "timer": "process CPU time, one torch thread", "rounds": args.rounds,

@@ -262,6 +262,16 @@ class UnaryTopK(torch.autograd.Function):
         # (N K H work instead of a vocabulary-wide N V H product), at most a logits chunk's bytes at once
         V, H = w_mat.shape
         K = top_idx.shape[1]
+        if 8 * K >= V:  # the candidates are much of a small vocabulary: one dense product per chunk is cheaper
+            for s in range(0, N, ctx.chunk):
+                e = min(N, s + ctx.chunk)
+                dz = torch.zeros(e - s, V, dtype=torch.float32, device=out.device)  # [c, V]
+                if coef_top is not None:
+                    dz.scatter_add_(1, top_idx[s:e], coef_top[s:e])
+                if coef_gold is not None:
+                    dz.scatter_add_(1, targets[s:e].unsqueeze(1), coef_gold[s:e].unsqueeze(1))
+                out[s:e] += dz.to(out.dtype) @ w_mat
+            return out, None, None, None, None, None
         step = max(1, (ctx.chunk * V * 4) // (K * H * w_mat.element_size()))
         for s in range(0, N, step):
             e = min(N, s + step)
