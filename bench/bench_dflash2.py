@@ -65,6 +65,7 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
+    global HIDDEN, VOCAB  # the shape of both drafters and the batch
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="training steps timed per round and family")
@@ -73,7 +74,6 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=VOCAB, help="target vocabulary")
     ap.add_argument("--out", default=str(RESULTS / "bench_dflash2.json"))
     args = ap.parse_args()
-    global HIDDEN, VOCAB
     HIDDEN, VOCAB = args.hidden, args.vocab
     torch.set_num_threads(1)
     tcfg = TrainConfig(num_anchors=32, optimizer="adamw")
