@@ -276,11 +276,12 @@ class UnaryTopK(torch.autograd.Function):
         for s in range(0, N, step):
             e = min(N, s + step)
             if coef_top is not None:
-                rows = w_mat[top_idx[s:e]]  # [n, K, H]
+                rows = torch.nn.functional.embedding(top_idx[s:e], w_mat)  # [n, K, H] (index_select: fast gather)
                 out[s:e] += torch.bmm(coef_top[s:e].to(rows.dtype).unsqueeze(1), rows).squeeze(1).to(out.dtype)
                 del rows
             if coef_gold is not None:
-                out[s:e] += (coef_gold[s:e].unsqueeze(1) * w_mat[targets[s:e]].float()).to(out.dtype)
+                gold_rows = torch.nn.functional.embedding(targets[s:e], w_mat).float()  # [n, H]
+                out[s:e] += (coef_gold[s:e].unsqueeze(1) * gold_rows).to(out.dtype)
         return out, None, None, None, None, None
 
 
