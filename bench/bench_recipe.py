@@ -13,6 +13,10 @@ to the reference recipe (exp_decay + adamw) at the same seed. Writes ``bench/res
 
     .venv/bin/python bench/bench_recipe.py [--steps 100] [--seeds 3] [--jobs 4] [--set train.muon_lr=3e-2]
 
+DFlash vs DFlash2 (``model.arch``): a combination may name the family as a third part,
+``--combos dpace+muon+dflash dpace+muon+dflash2 --reference dpace+muon+dflash``; a DFlash2 run is scored by its
+selector's teacher-forced greedy path (which is its greedy acceptance; see train/dflash2.py).
+
 The figures in docs/recipe.md: ``--steps 100 --jobs 4`` (bench_recipe.json) and ``--steps 500 --seeds 1
 --jobs 2 --combos exp_decay+adamw dpace+muon --out bench/results/bench_recipe_500steps.json``, both with
 ``--set train.muon_lr=3e-2`` (now the tiny preset's own value).
@@ -80,7 +84,7 @@ def run_one(config: str, overrides: list[str], cache_url: str, run_dir: Path) ->
         "tau": tf.acceptance_length, "heldout_blocks": tf.n_blocks, "steps": result.step,
         "skipped_steps": result.skipped, "train_wall_s": round(wall, 2),
         "train_cpu_s": round(sum(r["perf/step_cpu_s"] for r in records), 2),
-        "final_loss": records[-1]["loss"], "accuracy_per_position": tf.per_position_accuracy,
+        "final_loss": records[-1]["train/loss"], "accuracy_per_position": tf.per_position_accuracy,
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
     }
 
@@ -103,6 +107,7 @@ def main() -> None:
     ap.add_argument("--cache", help="the cache to train on (default: the demo's, see above)")
     ap.add_argument("--workdir", default="/tmp/bench_recipe", help="the run dirs, and the cache if built here")
     ap.add_argument("--out", default=str(RESULTS / "bench_recipe.json"))
+    ap.add_argument("--reference", default=REFERENCE, help="the combination the paired tau differences are to")
     args = ap.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -115,8 +120,8 @@ def main() -> None:
         futures = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for combo in combos:
-                weighting, optimizer = combo.split("+")
-                overrides = [f"train.max_steps={args.steps}", f"train.seed={seed}",
+                weighting, optimizer, *arch = combo.split("+")
+                overrides = [f"train.max_steps={args.steps}", f"train.seed={seed}", f"model.arch={(arch or ['dflash'])[0]}",
                              f"train.loss_weighting={weighting}", f"train.optimizer={optimizer}",
                              "metrics.progress_bar=false", "metrics.tensorboard=false",
                              "eval.every_steps=1000000", f"checkpoint.every_steps={args.steps}", *args.overrides]
@@ -134,8 +139,8 @@ def main() -> None:
         entry = {"tau": summarize([r["tau"] for r in rs]),
                  "train_wall_s": summarize([r["train_wall_s"] for r in rs]),
                  "train_cpu_s": summarize([r["train_cpu_s"] for r in rs])}
-        if REFERENCE in runs and combo != REFERENCE:
-            entry["tau_minus_reference"] = summarize([r["tau"] - ref["tau"] for r, ref in zip(rs, runs[REFERENCE],
+        if args.reference in runs and combo != args.reference:
+            entry["tau_minus_reference"] = summarize([r["tau"] - ref["tau"] for r, ref in zip(rs, runs[args.reference],
                                                                                               strict=True)])
         summary[combo] = entry
     out = {
@@ -147,7 +152,7 @@ def main() -> None:
         "total_s": round(time.perf_counter() - t_start, 1), "summary": summary, "runs": runs,
         "note": "tau: held-out teacher-forced acceptance length (1 + leading correct rows per block), every "
         "eligible anchor of the held-out samples; median [min, max] over seeds; tau_minus_reference: paired by "
-        "seed against exp_decay+adamw. train_cpu_s: training-thread CPU seconds (robust to other processes' load).",
+        f"seed against {args.reference}. train_cpu_s: training-thread CPU seconds (robust to other processes' load).",
     }
     print(json.dumps(summary, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,8 @@ Sections (each timed, each reported even when another fails; the whole run keeps
 1. ``pytest_gpu``      the test suite's GPU tests (``pytest -m gpu``)
 2. ``flex_vs_sdpa``    FlexAttention vs SDPA at the Qwen3.6-27B drafter's shape (4 sliding + 1 full layers):
                        max abs difference of logits and of every gradient, bf16 autocast
-3. ``train_8b``        bf16-autocast training steps of the Qwen3-8B / Qwen3.6-27B-shaped drafters at the
-   ``train_27b``       presets' worst step (8 documents x 2048 tokens, 512 anchors each: 65536 block
+3. ``train_8b``        bf16-autocast training steps of the Qwen3-8B / Qwen3.6-27B-shaped drafters (and the
+   ``train_27b``       DFlash2 27B preset's, ``train_27b_dflash2``, selector loss included) at the presets' worst step (8 documents x 2048 tokens, 512 anchors each: 65536 block
                        positions): tokens/s, MFU, the peak of each phase (forward, loss head, backward,
                        optimizer) against ``dflash-train estimate``'s, and the dtypes reaching FlexAttention
                        (q/k/v), the residual stream and the loss head (all bf16 expected)
@@ -51,12 +51,25 @@ from dflash_cache.runtime.config import load_config  # noqa: E402
 from dflash_cache.runtime.dist import Distributed  # noqa: E402
 from dflash_cache.runtime.schema import GuardsConfig  # noqa: E402
 from train.batch import Batch  # noqa: E402
-from train.build import LossModule, build_optimizer, build_position_weighting, build_scheduler  # noqa: E402
+from train.build import (  # noqa: E402
+    LossModule,
+    build_optimizer,
+    build_position_weighting,
+    build_scheduler,
+    build_selector_loss,
+)
 from train.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu  # noqa: E402
-from train.estimate import DrafterShape, Precision, StepShape, flops_per_step, memory_estimate  # noqa: E402
+from train.estimate import (  # noqa: E402
+    DrafterShape,
+    Precision,
+    StepShape,
+    flops_per_step,
+    memory_estimate,
+    with_dflash2_terms,
+)
 from train.guards import SpikeGuard  # noqa: E402
 from train.memory import PHASES, measure_train_step  # noqa: E402
-from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
+from train.model import DFlashConfig, DFlashDrafter, drafter_class  # noqa: E402
 from train.objective import FlatBatch, dflash_loss, sample_anchors  # noqa: E402
 from train.step import train_step  # noqa: E402
 
@@ -115,7 +128,9 @@ def preset_drafter(preset: str, dry: bool) -> tuple[DFlashConfig, Any]:
         dims.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
                     vocab_size=512, mask_token_id=511, sliding_window=min(m.sliding_window or 64, 64))
     dcfg = DFlashConfig(**dims, block_size=m.block_size, target_layer_ids=list(cfg.cache.target_layer_ids),
-                        num_target_layers=t.num_layers, layer_types=m.layer_types)
+                        num_target_layers=t.num_layers, layer_types=m.layer_types, arch=m.arch,
+                        conv_kernel_size=m.conv_kernel_size, conv_group_size=m.conv_group_size,
+                        selector_top_k=m.selector_top_k, selector_rank=m.selector_rank)
     return dcfg, cfg
 
 
@@ -125,7 +140,7 @@ def make_drafter(dcfg: DFlashConfig, device: torch.device, attention: str, check
     with torch.device(device):
         embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=torch.bfloat16)
         head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=torch.bfloat16) * 0.02
-        model = DFlashDrafter(dcfg, embed, head, attention=attention, activation_checkpointing=checkpointing)
+        model = drafter_class(dcfg)(dcfg, embed, head, attention=attention, activation_checkpointing=checkpointing)
     for p in model.parameters():  # fp32 master weights, bf16 frozen head, as train.build.build_model does
         p.data = p.data.float()
     return model.train()
@@ -232,6 +247,7 @@ def train_steps(check: Check, preset: str, checkpointing: bool | None = None) ->
     sched = build_scheduler(tcfg, opt, total_steps=100)
     guard = SpikeGuard(GuardsConfig(window=16, min_history=4, max_consecutive_skips=100))
     lm = LossModule(model, anchors, build_position_weighting(tcfg, dcfg.block_size), tcfg.logits_chunk_rows)
+    lm.selector = build_selector_loss(tcfg, model)  # DFlash2: the selector loss too
     d = Distributed(device=check.device)
     warmup, steps = (1, 2) if check.dry else (2, 4)
     emulate = cuda_autocast_rules_on_cpu() if check.dry else nullcontext()
@@ -257,6 +273,9 @@ def train_steps(check: Check, preset: str, checkpointing: bool | None = None) ->
     blocks = res.metrics["n_blocks"]
     step_shape = StepShape(rows * length, blocks, blocks * (dcfg.block_size - 1), length / 2, rows=rows)
     est = memory_estimate(shape, step_shape, **est_kw)
+    if dcfg.arch == "dflash2":
+        est = with_dflash2_terms(est, shape, step_shape, cfg.model, precision=precision, checkpointing=ckpt,
+                                 optimizer=tcfg.optimizer, chunk_rows=tcfg.logits_chunk_rows)
     phases = {name: {"measured_bytes": measured[name], "estimate_bytes": est.phases[name],
                      "estimate_over_measured": round(est.phases[name] / measured[name], 3) if measured[name] else None}
               for name in PHASES}
@@ -431,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         ("train_27b", lambda: train_steps(check, "qwen3.6-27b"), 90),
         ("loader_27b", lambda: loader_feed(check), 60),
         ("train_27b_plain", lambda: train_steps(check, "qwen3.6-27b", checkpointing=False), 90),
+        ("train_27b_dflash2", lambda: train_steps(check, "qwen3.6-27b-dflash2"), 90),
         ("h2d", lambda: h2d(check), 5),
         ("extract_8b", lambda: extract_teacher(check), 90),
     ]

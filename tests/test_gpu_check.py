@@ -18,11 +18,11 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     sections = res["sections"]
-    assert set(sections) == {"flex_vs_sdpa", "train_8b", "train_27b", "train_27b_plain", "loader_27b", "h2d",
-                             "extract_8b"}
+    assert set(sections) == {"flex_vs_sdpa", "train_8b", "train_27b", "train_27b_plain", "loader_27b",
+                             "train_27b_dflash2", "h2d", "extract_8b"}
     assert all(s["status"] == "ok" for s in sections.values()), sections
     assert sections["flex_vs_sdpa"]["layers"] == ["sliding_attention"] * 4 + ["full_attention"]
-    for name in ("train_8b", "train_27b", "train_27b_plain"):
+    for name in ("train_8b", "train_27b", "train_27b_plain", "train_27b_dflash2"):
         t = sections[name]
         assert t["tokens_per_s"] > 0 and t["estimate_peak_bytes"] > 0
         assert t["activation_checkpointing"] == (name != "train_27b_plain")

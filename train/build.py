@@ -140,8 +140,15 @@ class LossModule(nn.Module):
         self.num_anchors = num_anchors
         self.weighting = weighting
         self.chunk_rows = chunk_rows
+        self.selector: Any = None  # train.dflash2.SelectorLoss when the drafter trains through dflash2_loss
 
     def forward(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        if self.selector is not None:  # DFlash2, or a drafter with a unary logit transform (train.dflash2)
+            from .dflash2 import dflash2_loss
+
+            out = dflash2_loss(self.drafter, batch, num_anchors=self.num_anchors, weighting=self.weighting,
+                               chunk_rows=self.chunk_rows, selector=self.selector)
+            return out.loss, out.metrics
         out = dflash_loss(self.drafter, batch, num_anchors=self.num_anchors, weighting=self.weighting,
                           chunk_rows=self.chunk_rows)
         return out.loss, out.metrics
@@ -150,10 +157,20 @@ class LossModule(nn.Module):
 def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) -> nn.Module:
     weighting = build_position_weighting(train_cfg, model.config.block_size)
     module: nn.Module = LossModule(model, train_cfg.num_anchors, weighting, train_cfg.logits_chunk_rows)
+    module.selector = build_selector_loss(train_cfg, model)
     if d.enabled:
         ids = [d.device.index] if d.device.type == "cuda" else None
         module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
     return module
+
+
+def build_selector_loss(train_cfg: TrainConfig, model: nn.Module) -> Any:
+    """``train.selector_*`` for a drafter that trains through ``dflash2_loss`` (DFlash2, or a logit transform)."""
+    from .dflash2 import SelectorLoss, uses_dflash2_loss
+
+    if not uses_dflash2_loss(model.config):
+        return None
+    return SelectorLoss(train_cfg.selector_alpha, train_cfg.selector_gold_outside, train_cfg.selector_detach_backbone)
 
 
 def open_training_cache(url: str, loader_cfg: LoaderConfig) -> Any:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 Optimizer = Literal["adamw", "muon"]
@@ -290,6 +290,46 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
     )
 
 
+def dflash2_params(shape: DrafterShape, model_cfg: Any) -> tuple[int, int]:
+    """(2-D, other) parameters DFlash2 adds: per layer two convolutions (``kernel_projection`` [2*K*G, H] 2-D,
+    ``base_kernel`` [2, K, H]), and the selector (two [V, r] codebooks, ``hidden_projection`` [r, H])."""
+    H, K, r = shape.hidden, model_cfg.conv_kernel_size, model_cfg.selector_rank
+    G = H // model_cfg.conv_group_size
+    two_d = shape.layers * 2 * (H * 2 * K * G) + 2 * shape.vocab * r + H * r
+    return two_d, shape.layers * 2 * (2 * K * H)
+
+
+def with_dflash2_terms(est: MemoryEstimate, shape: DrafterShape, step: StepShape, model_cfg: Any, *,
+                       precision: Precision, checkpointing: bool, optimizer: Optimizer, chunk_rows: int
+                       ) -> MemoryEstimate:
+    """``est`` plus what ``model.arch = "dflash2"`` adds (train.dflash2), term by term:
+
+    * weights, gradients, optimizer state and autocast copies of :func:`dflash2_params`;
+    * per layer and block position, four convolutions each saving its K-1 shifted inputs, its output and its
+      taps (the input of the first is already the norm's output): ``4 (K + 1) H + 4 (2 K G)`` elements;
+    * the loss head: the top-K values and ids [N, K] (fp32 + int64), the rescored candidates and their
+      softmax (3 x [N, K] fp32), the gathered successor codes [N, K, r] (fp32, kept for backward), and in the
+      backward the candidates' gathered lm_head rows (at most a logits chunk's bytes at a time)."""
+    H, V, c = shape.hidden, shape.vocab, precision.compute_bytes
+    K, k_sel, r = model_cfg.conv_kernel_size, min(model_cfg.selector_top_k, V), model_cfg.selector_rank
+    G = H // model_cfg.conv_group_size
+    Q, N = step.blocks * shape.block_size, step.counted_rows
+    two_d, other = dflash2_params(shape, model_cfg)
+    P = two_d + other
+    opt = 4 * two_d + 8 * other if optimizer == "muon" else 8 * P
+    per_layer = (4 * (K + 1) * H + 4 * 2 * K * G) * Q * c
+    selector_head = N * k_sel * (4 + 8 + 3 * 4 + r * 4) + min(chunk_rows, max(N, 1)) * V * 4
+    return replace(
+        est, weights=est.weights + P * precision.param_bytes, gradients=est.gradients + P * precision.param_bytes,
+        optimizer_state=est.optimizer_state + opt,
+        autocast_weight_copies=est.autocast_weight_copies + (P * 2 if precision.autocast else 0),
+        activations=est.activations + (0 if checkpointing else shape.layers * per_layer),
+        per_layer=est.per_layer + per_layer,
+        recomputed_layer=est.recomputed_layer + (per_layer if checkpointing else 0),
+        loss_head=est.loss_head + selector_head,
+    )
+
+
 def flops_per_step(shape: DrafterShape, step: StepShape) -> float:
     """Model FLOPs of one training step, matmuls only, as MFU conventions count them (the forward that
     activation checkpointing recomputes is not counted): the layers forward + backward (3x forward); ``fc``
@@ -491,10 +531,16 @@ def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gp
 
     def at(block_positions: int, context_tokens: int) -> MemoryEstimate:
         step = StepShape.worst(context_tokens, block_positions, B, figures.mean_doc_tokens)
-        return memory_estimate(shape, step, precision=precision, attention=attention,
-                               checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
-                               optimizer=getattr(cfg.train, "optimizer", "adamw"), loader_host_bytes=host,
-                               foreach_optimizer=device == "cuda")
+        est = memory_estimate(shape, step, precision=precision, attention=attention,
+                              checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
+                              optimizer=getattr(cfg.train, "optimizer", "adamw"), loader_host_bytes=host,
+                              foreach_optimizer=device == "cuda")
+        if cfg.model.arch == "dflash2":
+            est = with_dflash2_terms(est, shape, step, cfg.model, precision=precision,
+                                     checkpointing=cfg.model.activation_checkpointing,
+                                     optimizer=getattr(cfg.train, "optimizer", "adamw"),
+                                     chunk_rows=cfg.train.logits_chunk_rows)
+        return est
 
     peak = at(figures.block_positions_max, figures.context_tokens_max)
     median = at(figures.block_positions_median, figures.context_tokens_median)

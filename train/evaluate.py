@@ -243,6 +243,8 @@ def propose(model: Any, ctx_features: Tensor, last_token: int) -> list[int]:
                          device=device), ctx_pos=positions, block_size=B)
     features = torch.cat([ctx_features.to(device), ctx_features.new_zeros(1, ctx_features.shape[1]).to(device)])
     hidden = model(features.unsqueeze(0), block, (P + torch.arange(B, device=device)).unsqueeze(0), layout)
+    if hasattr(model, "select_path"):  # DFlash2: the selector walks the block from the anchor
+        return model.select_path(hidden[0, 1:], last_token).tolist()
     return model.logits(hidden[0, 1:]).argmax(-1).tolist()  # [B-1]
 
 
@@ -310,7 +312,7 @@ def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new
 def load_for_eval(checkpoint: str, cache: Any, attention: str = "auto", device: torch.device | None = None) -> Any:
     """A drafter from a checkpoint / run dir / drafter dir, checked against ``cache`` (names the field)."""
     from .export import config_for, load_weights
-    from .model import DFlashDrafter
+    from .model import drafter_class
 
     loaded = load_weights(checkpoint)
     cfg = config_for(loaded, cache.spec)
@@ -318,7 +320,7 @@ def load_for_eval(checkpoint: str, cache: Any, attention: str = "auto", device: 
         log.warning("%s was trained on another cache (fingerprint %s, this one %s); evaluating anyway",
                     loaded.source, loaded.cache_fingerprint, cache.spec.fingerprint)
     embed, lm_head = cache.load_head()
-    model = DFlashDrafter(cfg, embed, lm_head, attention=attention)
+    model = drafter_class(cfg)(cfg, embed, lm_head, attention=attention)
     model.load_state_dict({k: v.float() for k, v in loaded.state.items()})
     return model.to(device or torch.device("cpu")).eval()
 

@@ -39,9 +39,10 @@ from .checkpoint import MANIFEST_FILE
 from .model import (
     METADATA_KEY,
     DFlashConfig,
-    DFlashDrafter,
     check_compatible,
+    drafter_class,
     drafter_config,
+    from_contract_names,
     read_drafter_config,
     save_drafter_weights,
 )
@@ -112,7 +113,8 @@ def load_weights(path: str | Path) -> LoadedDrafterWeights:
 
     if is_drafter_dir(path):
         p = Path(path)
-        return LoadedDrafterWeights(load_file(str(p / "model.safetensors")), read_drafter_config(p), None, p)
+        state = from_contract_names(load_file(str(p / "model.safetensors")))
+        return LoadedDrafterWeights(state, read_drafter_config(p), None, p)
     from .checkpoint import read_checkpoint_model
 
     ckpt = resolve_checkpoint(path)
@@ -152,7 +154,7 @@ def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     """Weight names and shapes of a drafter with ``cfg`` (built on the meta device: no memory)."""
     with torch.device("meta"):
         head = torch.empty(cfg.vocab_size, cfg.hidden_size)
-        model = DFlashDrafter(cfg, head, head)
+        model = drafter_class(cfg)(cfg, head, head)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -197,7 +199,7 @@ def export_drafter(state: dict[str, Tensor], cfg: DFlashConfig, out: str | Path,
     shutil.copyfile(modeling_source(), tmp / MODELING_FILE)
     with torch.device("meta"):
         head = torch.empty(cfg.vocab_size, cfg.hidden_size)
-        holder = DFlashDrafter(cfg, head, head)
+        holder = drafter_class(cfg)(cfg, head, head)
     holder.to_empty(device="cpu")
     holder.load_state_dict(state)
     save_drafter_weights(holder, tmp / "model.safetensors", dtype=_DTYPES[dtype])

@@ -254,6 +254,7 @@ def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: Sp
         rec[f"acc/pos_{k}"] = acc
     for b, loss in res.metrics["bucket_loss"].items():
         rec[f"loss/bucket_{b}"] = loss
+    rec.update(res.metrics.get("tags", {}))  # DFlash2: selector/* (docs/metrics.md)
     stats = getattr(loader, "last_stats", None)
     if stats is not None:
         rec["perf/queue_depth"] = stats.queue_items

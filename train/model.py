@@ -42,6 +42,7 @@ from .attention import AttentionBackend, BlockLayout, WithinBlock, attend, resol
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}  # model.arch -> exported architecture
 _HF_ONLY_KEYS = {"architectures", "auto_map", "dflash_config", "model_type", "dtype", "torch_dtype"}
 
 
@@ -71,6 +72,14 @@ class DFlashConfig:
     # how sliding_attention layers attend within the draft block; full_attention layers are always bidirectional
     sliding_within_block: str = "bidirectional"
     attention_bias: bool = False
+    # the drafter family and its DFlash2 modules (train.dflash2); the logit transform applies to both families
+    arch: str = "dflash"
+    conv_kernel_size: int = _MODEL_DEFAULTS.conv_kernel_size
+    conv_group_size: int = _MODEL_DEFAULTS.conv_group_size
+    selector_top_k: int = _MODEL_DEFAULTS.selector_top_k
+    selector_rank: int = _MODEL_DEFAULTS.selector_rank
+    output_multiplier: float = _MODEL_DEFAULTS.output_multiplier
+    final_logit_softcapping: float | None = None
     # Fields of a loaded config.json this product does not interpret (bos/eos ids ...), kept on export.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -96,6 +105,11 @@ class DFlashConfig:
             problems.append("sliding_attention layers need sliding_window > 0")
         if self.sliding_within_block not in ("bidirectional", "causal"):
             problems.append(f"sliding_within_block must be 'bidirectional' or 'causal', got {self.sliding_within_block!r}")
+        if self.arch not in ARCHITECTURES:
+            problems.append(f"arch must be one of {sorted(ARCHITECTURES)}, got {self.arch!r}")
+        if self.arch == "dflash2" and self.hidden_size % self.conv_group_size:
+            problems.append(f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}; "
+                            "set model.conv_group_size to a divisor of the teacher's hidden size")
         if problems:
             raise ConfigError("invalid drafter config:\n  " + "\n  ".join(problems))
 
@@ -112,10 +126,10 @@ class DFlashConfig:
         layer_types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
         uses_sliding = "sliding_attention" in layer_types
         out: dict[str, Any] = {
-            "architectures": [ARCHITECTURE],
+            "architectures": [ARCHITECTURES[self.arch]],
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "auto_map": {"AutoModel": f"dflash.{ARCHITECTURES[self.arch]}"},
             "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             "dtype": "bfloat16",
@@ -143,16 +157,32 @@ class DFlashConfig:
         }
         if uses_sliding:  # the within-block rule of sliding layers (full layers are always bidirectional)
             out["dflash_config"]["sliding_within_block"] = self.sliding_within_block
+        out["dflash_config"].update(self.family_hf_fields())
         for key, value in self.extra.items():
             out.setdefault(key, value)
+        return out
+
+    def family_hf_fields(self) -> dict[str, Any]:
+        """The ``dflash_config`` fields of the logit transform and, for DFlash2, its modules (reference names)."""
+        out: dict[str, Any] = {}
+        if self.output_multiplier != 1.0:
+            out["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            out["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.arch == "dflash2":
+            out.update(block_size=self.block_size, conv_kernel_size=self.conv_kernel_size,
+                       conv_group_size=self.conv_group_size, selector_top_k=self.selector_top_k,
+                       selector_rank=self.selector_rank)
         return out
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> DFlashConfig:
         """Read a released or exported drafter's ``config.json``."""
-        arch = (d.get("architectures") or [ARCHITECTURE])[0]
-        if arch != ARCHITECTURE:
-            raise ConfigError(f"drafter config.json: architecture {arch!r} is not supported; expected {ARCHITECTURE!r}")
+        name = (d.get("architectures") or [ARCHITECTURE])[0]
+        by_name = {v: k for k, v in ARCHITECTURES.items()}
+        if name not in by_name:
+            raise ConfigError(f"drafter config.json: architecture {name!r} is not supported; expected one of "
+                              f"{sorted(by_name)}")
         dc = d.get("dflash_config") or {}
         rope = d.get("rope_parameters") or {}
         mask_id = dc.get("mask_token_id", d.get("mask_token_id"))
@@ -178,6 +208,10 @@ class DFlashConfig:
             layer_types=d.get("layer_types"),
             sliding_window=d.get("sliding_window"), attention_bias=bool(d.get("attention_bias", False)),
             sliding_within_block=str(dc.get("sliding_within_block", "bidirectional")), extra=extra,
+            arch=by_name[name], output_multiplier=float(dc.get("output_multiplier", 1.0)),
+            final_logit_softcapping=dc.get("final_logit_softcapping"),
+            **{k: int(dc[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
+               if k in dc},
         )
 
     def to_json(self) -> str:
@@ -190,7 +224,7 @@ class DFlashConfig:
 
 _DERIVED_HF_KEYS = {
     "attention_dropout", "hidden_act", "initializer_range", "max_window_layers", "rope_scaling",
-    "rope_parameters", "tie_word_embeddings", "use_cache", "use_sliding_window", "transformers_version",
+    "rope_parameters", "tie_word_embeddings", "use_cache", "use_sliding_window", "transformers_version", "is_causal",
 }
 
 
@@ -344,9 +378,18 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = DFlashMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash2: block-local dynamic convolutions around each sublayer (train.dflash2); None for DFlash
+        self.attention_conv: nn.Module | None = None
+        self.mlp_conv: nn.Module | None = None
 
     def forward(self, h: Tensor, ctx: Tensor, rope_q: Any, rope_k: Any, layout: BlockLayout,
                 backend: AttentionBackend) -> Tensor:
+        if self.attention_conv is not None and self.mlp_conv is not None:
+            B = layout.block_size
+            x, after = self.attention_conv.prepare(self.input_layernorm(h), B)
+            h = h + self.attention_conv.finish(self.self_attn(x, ctx, rope_q, rope_k, layout, backend), after, B)
+            x, after = self.mlp_conv.prepare(self.post_attention_layernorm(h), B)
+            return h + self.mlp_conv.finish(self.mlp(x), after, B)
         h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, layout, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -426,11 +469,22 @@ class DFlashDrafter(nn.Module):
         return self.norm(h).view(A, B, -1)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """hidden [..., H] -> logits [..., V] through the frozen target lm_head."""
+        """hidden [..., H] -> unary logits [..., V] through the frozen target lm_head (and the configured
+        ``output_multiplier`` / ``final_logit_softcapping``)."""
         w = self.lm_head
         if not _autocast_on(hidden.device):
             w = w.to(hidden.dtype)
-        return F.linear(hidden, w)
+        return self.logit_transform(F.linear(hidden, w))
+
+    def logit_transform(self, logits: Tensor) -> Tensor:
+        """The unary logit transform: ``* output_multiplier``, then ``cap * tanh(. / cap)`` when a cap is set."""
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            cap = float(cfg.final_logit_softcapping)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def _autocast_on(device: torch.device) -> bool:
@@ -493,7 +547,19 @@ def drafter_config(model_cfg: Any, spec: Any) -> DFlashConfig:
         max_position_embeddings=model_cfg.max_position_embeddings,
         layer_types=list(model_cfg.layer_types) if model_cfg.layer_types else None,
         sliding_window=model_cfg.sliding_window, sliding_within_block=model_cfg.sliding_within_block,
+        arch=model_cfg.arch, conv_kernel_size=model_cfg.conv_kernel_size, conv_group_size=model_cfg.conv_group_size,
+        selector_top_k=model_cfg.selector_top_k, selector_rank=model_cfg.selector_rank,
+        output_multiplier=model_cfg.output_multiplier, final_logit_softcapping=model_cfg.final_logit_softcapping,
     )
+
+
+def drafter_class(cfg: DFlashConfig) -> type[DFlashDrafter]:
+    """The drafter module of ``cfg.arch``."""
+    if cfg.arch == "dflash2":
+        from .dflash2 import DFlash2Drafter
+
+        return DFlash2Drafter
+    return DFlashDrafter
 
 
 def build_drafter(model_cfg: Any, spec: Any, head: tuple[Tensor, Tensor]) -> DFlashDrafter:
@@ -505,8 +571,8 @@ def build_drafter(model_cfg: Any, spec: Any, head: tuple[Tensor, Tensor]) -> DFl
         released = read_drafter_config(model_cfg.init_from)
         check_compatible(released, cfg, source=str(model_cfg.init_from))
         cfg = released
-    model = DFlashDrafter(cfg, head[0], head[1], attention=model_cfg.attention,
-                          activation_checkpointing=model_cfg.activation_checkpointing)
+    model = drafter_class(cfg)(cfg, head[0], head[1], attention=model_cfg.attention,
+                               activation_checkpointing=model_cfg.activation_checkpointing)
     if model_cfg.init_from:
         load_drafter_weights(model, Path(model_cfg.init_from) / "model.safetensors")
         log.info("initialised the drafter from %s", model_cfg.init_from)
@@ -515,7 +581,7 @@ def build_drafter(model_cfg: Any, spec: Any, head: tuple[Tensor, Tensor]) -> DFl
 
 def check_compatible(found: DFlashConfig, expected: DFlashConfig, source: str) -> None:
     """A drafter (checkpoint / released dir) must match the cache it is used with; name every field that does not."""
-    fields = ["hidden_size", "target_layer_ids", "vocab_size", "block_size", "mask_token_id",
+    fields = ["arch", "hidden_size", "target_layer_ids", "vocab_size", "block_size", "mask_token_id",
               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"]
     cache_fields = {"hidden_size", "target_layer_ids", "vocab_size"}
     diffs = [f for f in fields if getattr(found, f) != getattr(expected, f)]
@@ -547,7 +613,7 @@ def save_drafter_weights(model: DFlashDrafter, path: str | Path, dtype: torch.dt
     """``model.safetensors`` with the drafter config in its metadata (so a checkpoint is self-describing)."""
     from safetensors.torch import save_file
 
-    state = drafter_state(model)
+    state = to_contract_names(drafter_state(model))
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     save_file(state, str(path), metadata={"format": "pt", METADATA_KEY: model.config.to_json()})
@@ -557,7 +623,7 @@ def load_drafter_weights(model: DFlashDrafter, path: str | Path) -> None:
     """Load released/exported/checkpoint weights; names and shapes must match exactly."""
     from safetensors.torch import load_file
 
-    state = load_file(str(path))
+    state = from_contract_names(load_file(str(path)))
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in state.items()}
     missing = sorted(set(expected) - set(found))
@@ -574,6 +640,22 @@ def load_drafter_weights(model: DFlashDrafter, path: str | Path) -> None:
         raise SpecMismatchError(f"{path}: weights do not fit this drafter: " + "; ".join(parts),
                                 fields=["weights"])
     model.load_state_dict({k: v.to(model.fc.weight.dtype) for k, v in state.items()})
+
+
+# The reference's DFlash2 checkpoints store the selector's codebooks without the ``.weight`` suffix.
+CONTRACT_TENSOR_NAMES = {f"candidate_selector.{n}.weight": f"candidate_selector.{n}"
+                         for n in ("predecessor_codebook", "successor_codebook")}
+
+
+def to_contract_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Module names -> the tensor names of a released drafter's ``model.safetensors``."""
+    return {CONTRACT_TENSOR_NAMES.get(k, k): v for k, v in state.items()}
+
+
+def from_contract_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A released drafter's tensor names -> module names (module names pass through unchanged)."""
+    back = {v: k for k, v in CONTRACT_TENSOR_NAMES.items()}
+    return {back.get(k, k): v for k, v in state.items()}
 
 
 def read_weights_config(path: str | Path) -> DFlashConfig | None:
@@ -598,6 +680,6 @@ def read_drafter_config(directory: str | Path) -> DFlashConfig:
 def load_drafter_dir(directory: str | Path, head: tuple[Tensor, Tensor], attention: str = "auto") -> DFlashDrafter:
     """Load an exported or released drafter directory with the given frozen target head."""
     cfg = read_drafter_config(directory)
-    model = DFlashDrafter(cfg, head[0], head[1], attention=attention)
+    model = drafter_class(cfg)(cfg, head[0], head[1], attention=attention)
     load_drafter_weights(model, Path(directory) / "model.safetensors")
     return model

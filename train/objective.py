@@ -354,6 +354,8 @@ def predict_blocks(model: Any, batch: BatchLike, flat: FlatBatch, anchors: Tenso
                    chunk: int = DEFAULT_CHUNK_ROWS) -> tuple[Tensor, Blocks]:
     """Greedy drafts [A, B] at ``anchors`` (row k predicts token a+k) and the blocks."""
     hidden, blocks = forward_blocks(model, batch, flat, anchors)
+    if hasattr(model, "select_greedy"):  # DFlash2: the selector's teacher-forced greedy path (train.dflash2)
+        return model.select_greedy(hidden, blocks, chunk), blocks
     A, B, H = hidden.shape
     pred = chunked_argmax(hidden.reshape(A * B, H), model.lm_head, chunk).view(A, B)
     return pred, blocks

@@ -139,6 +139,7 @@ class MetricSums:
         self.pos_correct: Tensor | None = None
         self.pos_count: Tensor | None = None
         self.bucket_loss: dict[int, list[Tensor]] = {}
+        self.extra: dict[str, Tensor] = {}  # "sums/..." metrics of the objective (DFlash2's selector), summed
 
     def add(self, bucket: int, loss: Tensor, m: dict[str, Tensor]) -> None:
         def plus(a: Tensor | None, b: Tensor) -> Tensor:
@@ -150,6 +151,9 @@ class MetricSums:
         self.pos_correct = plus(self.pos_correct, m["position_correct"])
         self.pos_count = plus(self.pos_count, m["position_count"])
         self.bucket_loss.setdefault(int(bucket), []).append(loss)
+        for k, v in m.items():
+            if k.startswith("sums/"):
+                self.extra[k] = plus(self.extra.get(k), v)
 
     def finish(self, d: Distributed) -> dict[str, Any]:
         assert self.n_blocks is not None and self.accepted is not None
@@ -167,4 +171,14 @@ class MetricSums:
         }
         # per-bucket loss of this rank's micro-batches (buckets differ between ranks)
         out["bucket_loss"] = {b: float(torch.stack(v).mean()) for b, v in self.bucket_loss.items()}
+        if self.extra:
+            from .dflash2 import selector_summary
+
+            names = sorted(self.extra)
+            packed = d.all_reduce_(torch.cat([self.extra[k].reshape(-1) for k in names])).cpu()
+            sums, i = {}, 0
+            for k in names:
+                n = self.extra[k].numel()
+                sums[k], i = packed[i:i + n], i + n
+            out["tags"] = selector_summary(sums, unary_tau=out["acceptance_length"])
         return out

@@ -205,6 +205,22 @@ class ModelConfig(Section):
     compute)."""
     init_from: str | None = None
     """A released drafter directory (config.json + safetensors) to start from."""
+    arch: Literal["dflash", "dflash2"] = "dflash"
+    """Drafter family: `dflash`, or `dflash2` (DFlash plus a grouped dynamic causal convolution before and after
+    each attention and MLP sublayer, and a low-rank candidate selector over the unary top-K; docs/architecture.md).
+    Exported as `DFlashDraftModel` / `DFlash2DraftModel`."""
+    conv_kernel_size: int = Field(2, gt=0)
+    """`dflash2`: taps of the dynamic causal convolution (it never reaches across a block boundary)."""
+    conv_group_size: int = Field(16, gt=0)
+    """`dflash2`: channels sharing one dynamic kernel (must divide the teacher's hidden size)."""
+    selector_top_k: int = Field(256, gt=0)
+    """`dflash2`: unary candidates per position that the selector rescores (capped at the vocabulary size)."""
+    selector_rank: int = Field(16, gt=0)
+    """`dflash2`: rank of the selector's bilinear previous-token x candidate term."""
+    output_multiplier: float = Field(1.0, gt=0)
+    """Unary logits are multiplied by this (both families)."""
+    final_logit_softcapping: float | None = Field(None, gt=0)
+    """Unary logits become `cap * tanh(logits / cap)` after `output_multiplier` (both families); unset: none."""
 
 
 class TrainConfig(Section):
@@ -265,6 +281,16 @@ class TrainConfig(Section):
     B=10, 4 for B=8."""
     dpace_alpha: float = Field(0.5, gt=0, le=1)
     """`dpace` only: confidence smoothing (1-alpha)*q + alpha."""
+    selector_alpha: float = Field(1.0, ge=0)
+    """`model.arch = "dflash2"`: weight of the candidate selector's loss, added to the unary loss. Each counted row's
+    selector CE (over the unary top-K, rescored with the true previous token) takes that row's unary weight."""
+    selector_gold_outside: Literal["drop", "append"] = "drop"
+    """`dflash2`: a row whose true token is not among the unary top-K: `drop` gives it no selector loss (the selector
+    can never pick it; the unary loss is what pulls it into the top-K), `append` scores the true token as an extra
+    candidate so the row still trains the selector."""
+    selector_detach_backbone: bool = False
+    """`dflash2`: stop the selector loss's gradient at the drafter's hidden states and unary logits (only the
+    selector's own weights learn from it)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """`auto`: bf16 autocast on GPU, fp32 on CPU."""
     check_memory: bool = True

@@ -24,6 +24,19 @@ It depends on torch and transformers only. It computes what the drafter was trai
   Everything else is visible: full-attention layers, and by default (``"bidirectional"``, also when
   the key is absent) sliding layers too, attend to every position of the block.
 
+DFlash2 (``architectures: ["DFlash2DraftModel"]``, auto_map ``dflash.DFlash2DraftModel``) adds, with the
+reference's tensor names and ``dflash_config`` fields:
+
+* ``layers.{i}.attention_conv`` / ``mlp_conv`` (``conv_kernel_size`` taps, ``conv_group_size`` channels per
+  dynamic kernel): the normed sublayer input ``x`` is convolved with ``base_kernel[0] + dynamic taps`` (taps
+  ``kernel_projection(x)``), causally and within the block; the sublayer's output with ``base_kernel[1]`` plus
+  the second set of taps;
+* ``candidate_selector`` (``selector_top_k``, ``selector_rank``): the unary top-K of each row is rescored with
+  ``<predecessor_codebook[prev] * hidden_projection(h), successor_codebook[candidate]>``, walking the block from
+  its anchor; greedy at temperature 0, else sampled from ``softmax(scores / T)`` over the K candidates.
+
+Unary logits are ``lm_head(h) * output_multiplier``, soft-capped by ``final_logit_softcapping`` when set.
+
 Caching: ``past_key_values`` (a transformers ``Cache``) holds each layer's context keys/values for
 positions ``0 .. n-1``; a forward appends the new context positions and the block, and the caller
 crops the block off again (``spec_generate`` does).
@@ -206,7 +219,15 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
 
+        self.attention_conv: DFlashGroupedConv | None = None  # DFlash2 only
+        self.mlp_conv: DFlashGroupedConv | None = None
+
     def forward(self, h: torch.Tensor, ctx: torch.Tensor, **attn: Any) -> torch.Tensor:
+        if self.attention_conv is not None and self.mlp_conv is not None:
+            x, taps = self.attention_conv.prepare(self.input_layernorm(h))
+            h = h + self.attention_conv.finish(self.self_attn(x, ctx, **attn), taps)
+            x, taps = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+            return h + self.mlp_conv.finish(self.mlp(x), taps)
         h = h + self.self_attn(self.input_layernorm(h), ctx, **attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -292,6 +313,20 @@ class DFlashDraftModel(PreTrainedModel):
                       past_key_values=past_key_values, attention_mask=attention_mask)
         return self.norm(h)
 
+    def compute_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """Unary logits [B, L, V] of hidden [B, L, H]: the target's lm_head, ``* output_multiplier``, then
+        ``cap * tanh(. / cap)`` with ``final_logit_softcapping``."""
+        dc = dict(getattr(self.config, "dflash_config", None) or {})
+        logits = head(hidden.to(head.weight.device, head.weight.dtype)).float()
+        logits = logits * float(dc.get("output_multiplier", 1.0))
+        cap = dc.get("final_logit_softcapping")
+        return torch.tanh(logits / float(cap)) * float(cap) if cap else logits
+
+    def draft_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, head: nn.Module,
+                     temperature: float = 0.0) -> torch.Tensor:
+        """The drafts [B, L] of a block's rows 1.. (hidden [B, L, H]) after ``anchor_ids`` [B]: the argmax."""
+        return self.compute_logits(hidden, head).argmax(dim=-1)
+
     @torch.inference_mode()
     def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
                       stop_token_ids: Sequence[int] | None = None, temperature: float = 0.0, *,
@@ -336,8 +371,7 @@ class DFlashDraftModel(PreTrainedModel):
             hidden = self(position_ids=positions[:, cached:start + B], noise_embedding=embed(block).to(self.device),
                           target_hidden=ctx.to(self.device), past_key_values=draft_cache)  # [1, B, H]
             _crop(draft_cache, start)  # keep the context only
-            drafts = head(hidden[:, 1:].to(head.weight.device, head.weight.dtype))  # [1, B-1, V]
-            block[:, 1:] = sample(drafts).to(device)  # drafts are always the argmax
+            block[:, 1:] = self.draft_tokens(hidden[:, 1:], block[:, 0], head, temperature).to(device)
             out = target(input_ids=block, position_ids=positions[:, start:start + B], **{kv: target_cache},
                          use_cache=True, output_hidden_states=True)
             posterior = sample(out.logits, temperature)  # [1, B]: the target's token after each row
@@ -355,3 +389,96 @@ class DFlashDraftModel(PreTrainedModel):
             ids = ids[:, :P + int(hits[0, 0]) + 1]
         result.output_ids = ids
         return result if return_stats else ids
+
+
+# ----------------------------------------------------------------------------------------------
+# DFlash2
+# ----------------------------------------------------------------------------------------------
+
+
+class DFlashGroupedConv(nn.Module):
+    """Grouped dynamic causal convolution over the rows of one block (zero before its first row)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
+
+    def _convolve(self, x: torch.Tensor, taps: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """x [B, L, H], taps [B, L, K, G], base [K, H] -> [B, L, H]."""
+        Bn, L, H = x.shape
+        G = H // self.group_size
+        xg = x.view(Bn, L, G, self.group_size)
+        out = torch.zeros_like(xg)
+        for o in range(min(self.kernel_size, L)):
+            prev = F.pad(xg[:, :L - o], (0, 0, 0, 0, o, 0))  # row t sees row t - o of the same block
+            out = out + (base[o].view(G, self.group_size).to(x.dtype) + taps[:, :, o, :, None]) * prev
+        return out.view(Bn, L, H)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        Bn, L, H = x.shape
+        taps = self.kernel_projection(x).view(Bn, L, 2, self.kernel_size, H // self.group_size)
+        return self._convolve(x, taps[:, :, 0], self.base_kernel[0]), taps[:, :, 1]
+
+    def finish(self, y: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        return self._convolve(y, taps, self.base_kernel[1])
+
+
+class DFlashCandidateSelector(nn.Module):
+    """Low-rank rescoring of the unary top-K with the previous token (tensor names of the reference)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = min(top_k, vocab_size)
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """hidden [B, L, H], unary logits [B, L, V], anchor_ids [B] -> (tokens [B, L], candidates [B, L, K],
+        the sampling distribution over the candidates [B, L, K] when temperature > 0, else None)."""
+        unary, cand = logits.float().topk(self.top_k, dim=-1)  # [B, L, K]
+        query = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()  # [B, L, r]
+        prev = anchor_ids.to(cand.device)
+        tokens, dists = [], []
+        for row in range(hidden.shape[1]):
+            pred = self.predecessor_codebook[prev].float() * query[:, row]  # [B, r]
+            succ = self.successor_codebook[cand[:, row]].float()  # [B, K, r]
+            scores = unary[:, row] + torch.einsum("br,bkr->bk", pred, succ)  # [B, K]
+            if temperature > 0:
+                q = torch.softmax(scores / temperature, dim=-1)
+                j = torch.multinomial(q, 1, generator=generator)[:, 0]
+                dists.append(q)
+            else:
+                j = scores.argmax(dim=-1)
+            prev = cand[:, row].gather(1, j[:, None])[:, 0]
+            tokens.append(prev)
+        return torch.stack(tokens, 1), cand, torch.stack(dists, 1) if dists else None
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: DFlash plus the block-local dynamic convolutions and the candidate selector."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        dc = dict(getattr(config, "dflash_config", None) or {})
+        kernel, group = int(dc["conv_kernel_size"]), int(dc["conv_group_size"])
+        for layer in self.layers:
+            layer.attention_conv = DFlashGroupedConv(config.hidden_size, kernel, group)
+            layer.mlp_conv = DFlashGroupedConv(config.hidden_size, kernel, group)
+        self.candidate_selector = DFlashCandidateSelector(config.hidden_size, config.vocab_size,
+                                                          int(dc["selector_rank"]), int(dc["selector_top_k"]))
+        self.post_init()
+
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, head: nn.Module, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The selector's walk over the rows' hidden [B, L, H] from ``anchor_ids`` [B]: (tokens, candidates,
+        the per-row distribution over the candidates when sampling)."""
+        return self.candidate_selector.select(hidden, self.compute_logits(hidden, head), anchor_ids, temperature,
+                                              generator)
+
+    def draft_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, head: nn.Module,
+                     temperature: float = 0.0) -> torch.Tensor:
+        return self.propose(hidden, anchor_ids, head, temperature)[0]
