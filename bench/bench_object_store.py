@@ -47,10 +47,11 @@ def _cpu() -> float:
 
 
 def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality: int | None = None,
-              read_ahead_mib: int = 256) -> dict[str, float]:
+              read_ahead_mib: int = 256, run_samples: int | None = None) -> dict[str, float]:
     cfg = LoaderConfig(tokens_per_batch=16384, num_readers=readers, max_buffer_bytes=1 << 30, holdout_fraction=0.0,
                        read_ahead=read_ahead, requests_in_flight=in_flight, pin_memory=False,
-                       locality_parts=locality, read_ahead_bytes=read_ahead_mib << 20)
+                       locality_parts=locality, locality_run_samples=run_samples,
+                       read_ahead_bytes=read_ahead_mib << 20)
     cache = open_cache(url)
     stored = {p.key: p.feature_bytes / max(p.n_tokens, 1) for p in cache.parts()}
     latency_fs.reset_counters()
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--locality-parts", type=int, default=None,
                     help="loader.locality_parts for every store (the same plan for all)")
+    ap.add_argument("--locality-run-samples", type=int, default=None, help="loader.locality_run_samples")
     ap.add_argument("--read-ahead-mib", type=int, default=256)
     ap.add_argument("--mbps", type=float, default=100.0, help="bandwidth cap per request stream of latency://")
     ap.add_argument("--no-s3", action="store_true", help="skip the loopback moto S3 server")
@@ -136,14 +138,15 @@ def main(argv: list[str] | None = None) -> int:
             port = _free_port()
             moto = start_moto(port)
             stores["s3"] = (upload(local, port), "auto", None)
-        one_epoch(local, args.readers, "off", args.in_flight, args.locality_parts)  # warm the page cache
+        one_epoch(local, args.readers, "off", args.in_flight, args.locality_parts,
+                  run_samples=args.locality_run_samples)  # warm the page cache
         runs: dict[str, list[dict]] = {k: [] for k in stores}
         for _ in range(args.rounds):
             for name, (url, mode, ms) in stores.items():
                 if ms is not None:
                     latency_fs.configure(ms, args.mbps)
                 runs[name].append(one_epoch(url, args.readers, mode, args.in_flight, args.locality_parts,
-                                            args.read_ahead_mib))
+                                            args.read_ahead_mib, args.locality_run_samples))
     finally:
         if moto is not None:
             moto.terminate()
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['cpu_per_byte_vs_local']:12.2f}")
     print(f"load average {load:.1f}; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "
           f"{args.readers} readers, {args.in_flight} requests in flight, read-ahead {args.read_ahead_mib} MiB, "
-          f"locality_parts {args.locality_parts}, latency:// cap {args.mbps} MB/s per stream")
+          f"locality_parts {args.locality_parts} (runs of {args.locality_run_samples}), latency:// cap {args.mbps} MB/s per stream")
     out = {"settings": vars(args), "load_average": load, "stores": table}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -115,7 +115,7 @@ class ReadAhead:
     # -- the walk --------------------------------------------------------------------------------
 
     def wrap(self, work: Iterator[T]) -> Iterator[T]:
-        """``work`` in the same order, fetched ahead. Refills when less than half the budget is held,
+        """``work`` in the same order, fetched ahead. Refills when less than a quarter of the budget is held,
         then walks until the budget is reached: each refill is one group, coalesced together."""
         queue: collections.deque[T] = collections.deque()  # issued, not yet handed out
         spare: collections.deque[T] = collections.deque()  # metadata loaded, not yet issued
@@ -123,7 +123,7 @@ class ReadAhead:
         budget = self.settings.read_ahead_bytes
         while True:
             held = self._held_bytes()
-            if not queue or held < budget // 2:
+            if not queue or held < budget // 4:
                 group: list[T] = []
                 ranges: list[list[Range]] = []
                 while (held < budget or not group and not queue) and not self._closed:

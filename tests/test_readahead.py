@@ -183,3 +183,19 @@ def test_locality_cuts_requests_per_sample_through_the_read_ahead(cache_path: st
     assert sorted(torch.cat([x.sample_ids for x in local_order]).tolist()) == list(range(N))
     per_sample = b.read_counters.requests / n
     assert per_sample < a.read_counters.requests / n, (per_sample, a.read_counters.requests / n)
+
+
+def test_locality_runs_bring_requests_per_sample_to_a_tenth(tmp_path) -> None:
+    path = str(tmp_path / "cache")
+    make_synthetic_cache(path, n_samples=512, samples_per_part=128, bucket_edges=(), median_length=64, seed=5,
+                         chunk_tokens=256, shard_tokens=16384)  # the default layout; ~13 MiB of features
+    parts = open_cache(path).parts()
+    assert min(p.n_samples for p in parts) >= 100
+    url = f"latency://{path}"
+    ahead = {"read_ahead": "on", "read_ahead_bytes": 4 << 20}  # a third of the cache
+    shuffled, a = _epochs(url, epochs=1, **ahead)
+    runs, b = _epochs(url, epochs=1, **ahead, locality_parts=1, locality_run_samples=32)
+    assert sorted(torch.cat([x.sample_ids for x in runs]).tolist()) == list(range(512))
+    per_sample, before = b.read_counters.requests / 512, a.read_counters.requests / 512
+    assert per_sample <= 0.1 < before, (per_sample, before)
+    assert b.read_counters.direct_requests == 0

@@ -116,6 +116,16 @@ class _Produced(NamedTuple):
     dropped: int  # samples left out because their part is quarantined
 
 
+def locality_units(table: SampleTable, run_samples: int | None) -> np.ndarray:
+    """The unit ``loader.locality_parts`` groups, per sample: its part, or (``run_samples``) its run of that
+    many consecutive samples within its part."""
+    part = np.asarray(table.part, dtype=np.int64)
+    if run_samples is None:
+        return part
+    runs_per_part = int(np.asarray(table.row).max(initial=0)) // run_samples + 1
+    return part * runs_per_part + np.asarray(table.row, dtype=np.int64) // run_samples
+
+
 def select_parts(index: Any, parts: list[str], url: str = "the cache") -> SampleTable:
     """The samples of ``index`` (a :class:`~dflash_cache.index.CacheIndex`) in ``parts`` (part keys), selected
     by part number: O(samples). Every part selected: views of the index arrays, no copy."""
@@ -313,7 +323,8 @@ class StreamingLoader:
         index = self._index_with(parts)
         # a part quarantined since it was planned (unreadable small arrays) is left out, not "missing"
         table = select_parts(index, [p for p in parts if p not in self._quarantine], self.cache.url)
-        planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings, parts=table.part)
+        planner = Planner(table.sample_ids, table.lengths, table.buckets, self.settings,
+                          parts=locality_units(table, self.cfg.locality_run_samples))
         self._planner = (key, table, planner)
         return table, planner
 

@@ -286,6 +286,8 @@ class Planner:
         h = hashlib.sha256()
         for a, dtype in ((sorted_ids[~held], np.int64), (lengths_p, np.int32), (bk_p, np.int16)):
             h.update(np.ascontiguousarray(a, dtype=dtype).tobytes())
+        if self.parts is not None:  # the locality units are part of what the plan depends on
+            h.update(np.ascontiguousarray(self.parts[positions], dtype=np.int64).tobytes())
         self.digest = h.hexdigest()
 
     def plan(self, epoch: int, *, rank: int = 0, window: int = 0, first_index: int = 0) -> EpochPlan:

@@ -39,6 +39,7 @@ RESUME_RULES: dict[str, str] = {
     "loader.tokens_per_batch": "plan", "loader.max_block_positions": "plan", "loader.packing": "plan",
     "loader.pack_row_tokens": "plan", "loader.sort_window": "plan", "loader.holdout_fraction": "plan",
     "loader.live": "plan", "loader.locality_parts": "plan",
+    "loader.locality_run_samples": "plan",
     "checkpoint": "free", "guards": "free", "eval": "free", "metrics": "free",
 }
 

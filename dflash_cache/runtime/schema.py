@@ -328,6 +328,10 @@ class LoaderConfig(Section):
     (the groups in a random order each epoch) instead of over the whole bucket, so the loader's read-ahead
     finds many planned samples per shard and coalesces them into few large requests (docs/performance.md);
     unset: a full shuffle per bucket."""
+    locality_run_samples: int | None = Field(None, gt=0)
+    """With `locality_parts`: group runs of this many consecutive samples of a part instead of whole parts
+    (a group is then `locality_parts` runs), so that a read-ahead smaller than a part still finds each run's
+    samples together and fetches a run in one request; unset: whole parts."""
     on_corrupt: Literal["error", "skip"] = "error"
     """A part failing its checksums: `error` (names it) or `skip` (quarantined, counted, logged)."""
     live: bool = False
