@@ -333,3 +333,29 @@ def test_a_batch_without_blocks_reports_the_same_selector_sums():
     assert keys == sorted(k for k in empty if k.startswith("sums/"))
     assert all(full[k].shape == empty[k].shape for k in keys)
     assert all(float(empty[k].sum()) == 0 for k in keys if k != "sums/selector_micro")
+
+
+def test_a_killed_dflash2_run_resumes_bitwise(tmp_path):
+    """SIGKILL after the first checkpoint, rerun: the same losses (and selector metrics) as a run never killed."""
+    import subprocess
+
+    from fixtures.trainer import ROOT, train_cmd, train_env
+    from test_train_run import BASE, _losses, _wait_for
+
+    from train.metrics import read_metrics
+
+    cache = small_cache(str(tmp_path / "cache"), n_samples=24)
+    recipe = ("model.arch=dflash2", "model.selector_top_k=32", "train.max_steps=6", "checkpoint.every_steps=3")
+    straight = tmp_path / "straight"
+    run_train(BASE, cache, straight, *recipe, timeout=240)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(BASE, cache, run, *recipe), cwd=ROOT, env=train_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (run / "checkpoints" / "step-00000003" / "manifest.json").exists(), proc, timeout=240)
+    proc.kill()
+    proc.wait()
+    assert max(_losses(run)) < 6, "the run finished before it could be killed"
+    run_train(BASE, cache, run, *recipe, timeout=240)
+    assert _losses(run) == _losses(straight)
+    tau = {r["step"]: r["selector/tau"] for r in read_metrics(run)}
+    assert tau == {r["step"]: r["selector/tau"] for r in read_metrics(straight)}
