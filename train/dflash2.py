@@ -49,6 +49,7 @@ from .objective import (
     block_metrics,
     build_blocks,
     default_gamma,
+    head_operands,
     run_blocks,
     sample_anchors,
 )
@@ -216,7 +217,7 @@ class UnaryTopK(torch.autograd.Function):
                 transform: tuple[float, float | None], chunk: int) -> tuple[Tensor, ...]:
         N = hidden.shape[0]
         mult, cap = transform
-        w_mat = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)  # [V, H]
+        hidden, w_mat = head_operands(hidden, weight)  # [N, H], [V, H]: never an fp32 lm_head copy under autocast
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if need_grad else None
         ce = torch.empty(N, dtype=torch.float32, device=hidden.device)
