@@ -123,6 +123,10 @@ class CacheConfig(Section):
     """Number of teacher layers captured when `target_layer_ids` is not given."""
     store_target_argmax: bool = False
     """Also store the teacher's argmax token per position (computes the lm_head)."""
+    store_final_hidden: bool = False
+    """Also store the teacher's final normed hidden state per position (HF `hidden_states[-1]`, what its lm_head
+    reads) as one more slot of the features, same codec: needed by the distribution losses (`train.loss` =
+    `kl`, `tv`, `lk_lambda`, `lk_alpha`); runs the whole teacher stack; one hidden size more per token."""
     chunk_tokens: int = Field(256, gt=0)
     """Inner chunk length along tokens (the unit of a random read)."""
     shard_tokens: int = Field(16384, gt=0)
