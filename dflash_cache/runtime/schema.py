@@ -253,6 +253,14 @@ class TrainConfig(Section):
     logits_chunk_rows: int = Field(2048, gt=0)
     """Block rows whose full-vocabulary logits exist at once in the loss (forward and backward); bounds its
     memory."""
+    loss: Literal["ce", "kl", "tv", "lk_lambda", "lk_alpha"] = "ce"
+    """Per block row: `ce` on the data token; or against the teacher's distribution (needs a cache extracted
+    with `cache.store_final_hidden`): `kl` forward KL, `tv` total variation, `lk_alpha` -log(acceptance
+    probability), `lk_lambda` an acceptance-adaptive KL/TV blend (LK losses; formulas in train/distill.py)."""
+    loss_ce_weight: float = Field(0.0, ge=0, lt=1)
+    """With a distribution `loss`: each row's loss is `w` x CE + (1 - `w`) x the distribution loss (e.g. 0.5)."""
+    lk_eta: float = Field(3.0, gt=0)
+    """`lk_lambda` only: the KL share exp(-eta x acceptance probability) of each row."""
     loss_weighting: Literal["exp_decay", "dpace"] = "exp_decay"
     """Weights of the block rows in the loss: `exp_decay` exp(-(k-1)/`loss_gamma`), weighted mean (the reference
     recipe); `dpace` D-PACE weights from the drafter's own detached confidence per row (docs/recipe.md)."""
@@ -268,6 +276,9 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        if self.loss == "ce" and self.loss_ce_weight:
+            raise ValueError("loss_ce_weight mixes CE into a distribution loss; with loss = \"ce\" leave it at 0 "
+                             "(or set loss to kl, tv, lk_lambda or lk_alpha)")
         if self.loss_weighting == "dpace" and self.loss_gamma is not None:
             raise ValueError("loss_gamma sets the exp_decay weights; with loss_weighting = \"dpace\" leave it "
                              "unset (dpace_alpha is D-PACE's parameter)")
