@@ -4,6 +4,7 @@ draws against the exact teacher-only distribution), and the same test fails for 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import pytest
@@ -238,3 +239,86 @@ def test_extract_distill_then_sampled_live_eval_through_the_commands(tmp_path, c
     assert len(live["prompts"]) == 2 and all(p["tau"] >= 1.0 for p in live["prompts"])
     assert train_main(["eval", "configs/tiny.toml", "--cache", cache_url, "--checkpoint", str(run), "--live",
                        "--temperature", "-1", *sets]) == 2
+
+
+# ---- the shipped dflash.py has its own copy of the rule: the same statistics for both ----------------------
+
+
+@functools.cache
+def _shipped_module():
+    """train/hf_modeling/dflash.py loaded as the engines and users load it: a standalone file."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "train" / "hf_modeling" / "dflash.py"
+    spec = importlib.util.spec_from_file_location("shipped_dflash", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _train_rule(drafts, q, p, gen):
+    return RejectionSampler(gen).verify(drafts.tolist(), q, p)[0]
+
+
+def _shipped_rule(drafts, q, p, gen):
+    accepted, nxt = _shipped_module().speculative_sampling(drafts, q, p, gen)
+    return int(drafts[0]) if accepted else nxt
+
+
+def _shipped_wrong_residual(drafts, q, p, gen):
+    accepted, _ = _shipped_module().speculative_sampling(drafts, q, p, gen)
+    return int(drafts[0]) if accepted else int(torch.multinomial(p[0], 1, generator=gen))
+
+
+def first_token_counts(rule, p1: torch.Tensor, q: torch.Tensor, seed: int) -> dict[tuple, int]:
+    """DRAWS cycles of one drafted block (drafts from q [k, V]) verified against p1 (the teacher's distribution
+    for the first drafted position): counts of the first emitted token, which must be distributed as p1."""
+    gen = torch.Generator().manual_seed(seed)
+    k = q.shape[0]
+    p = p1.expand(k + 1, -1).contiguous()  # later rows do not affect the first emitted token
+    counts: dict[tuple, int] = {}
+    for _ in range(DRAWS):
+        drafts = torch.multinomial(q, 1, generator=gen).view(-1)
+        x = rule(drafts, q, p, gen)
+        counts[(x,)] = counts.get((x,), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("rule", [_train_rule, _shipped_rule])
+def test_both_copies_of_the_rule_sample_the_teacher_and_the_harness_catches_a_wrong_one(tiny_teacher, prompt, rule):
+    teacher, _ = tiny_teacher
+    logits = ev._teacher_logits_step(teacher, prompt, LAYERS)[1][-1]
+    p1 = warp(logits, PARAMS)  # [V], 4 tokens
+    want = {(x,): float(p1[x]) for x in p1.nonzero().flatten().tolist()}
+    sharper = warp(logits, SamplingParams(0.25, top_k=4)).expand(3, -1).contiguous()  # overlapping proposal
+    drafter_q = warp(ev.draft_logits(_drafter(teacher), ev._teacher_logits_step(teacher, prompt, LAYERS)[0][:-1],
+                                     prompt[-1]), PARAMS)  # the real drafter's rows
+    for q in (sharper, drafter_q):
+        assert chi_square_pvalue(first_token_counts(rule, p1, q, 7), want, DRAWS) > 1e-3
+    assert chi_square_pvalue(first_token_counts(_shipped_wrong_residual, p1, sharper, 7), want, DRAWS) < 1e-6
+
+
+def test_shipped_spec_generate_samples_the_teachers_distribution(tmp_path, tiny_teacher, prompt):
+    """The exported drafter's spec_generate at T=1, top-k 4: the first two new tokens over 400 decodings follow
+    the teacher's exact distribution (the full loop; the rule itself is tested over 2000 draws above)."""
+    from test_export_hf import _export, _load, _teacher_drafter
+
+    teacher, _ = tiny_teacher
+    draft = _load(_export(_teacher_drafter(teacher), tmp_path / "export"))
+    want = exact_distribution(ev._teacher_logits_step, teacher, prompt, PARAMS, 2)
+    ids = torch.tensor([prompt])
+    gen = torch.Generator().manual_seed(11)
+    counts: dict[tuple, int] = {}
+    n = 400
+    for _ in range(n):
+        out = draft.spec_generate(teacher, ids, 2, None, 1.0, top_k=4, generator=gen)
+        key = tuple(out[0, len(prompt):].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert sum(len(k) == 2 for k in counts) == len(counts)
+    assert chi_square_pvalue(counts, want, n) > 1e-3
+    greedy = draft.spec_generate(teacher, ids, 6, None, 0.0)
+    assert torch.equal(greedy, teacher.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                                do_sample=False, pad_token_id=0))
