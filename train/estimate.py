@@ -20,6 +20,7 @@ by ``bench/gpu_check.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -215,6 +216,22 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
         attention_workspace=attention_ws, loss_head=loss_head, backward_working_set=backward_ws,
         host_loader_buffers=loader_host_bytes,
     )
+
+
+def with_distribution_loss(est: MemoryEstimate, shape: DrafterShape, step: StepShape, *,
+                           precision: Precision = Precision(), chunk_rows: int = 2048) -> MemoryEstimate:
+    """``est`` under a distribution loss (``train.loss`` kl / tv / lk_*, train/distill.py): the batch carries the
+    teacher's final state (one more H-wide bf16 slot per context token); the loss head gathers the counted
+    rows' teacher states (bf16, and in the compute dtype) and holds, per chunk, the second vocabulary head:
+    the drafter's and the teacher's fp32 logits, the teacher's probabilities and one more fp32 [chunk, V]
+    temporary (four in all, plus a logits matmul output in the compute dtype), in place of CE's one."""
+    H, V, c = shape.hidden, shape.vocab, precision.compute_bytes
+    N = step.counted_rows
+    chunk = min(chunk_rows, max(N, 1))
+    head_cast = V * H * c if precision.head_bytes != c else 0
+    teacher_rows = N * H * (2 + (c if c != 2 else 0))
+    loss_head = 2 * N * H * c + teacher_rows + chunk * V * (16 + (c if c != 4 else 0)) + head_cast
+    return dataclasses.replace(est, batch=est.batch + step.context_tokens * H * 2, loss_head=loss_head)
 
 
 def flops_per_step(shape: DrafterShape, step: StepShape) -> float:
@@ -417,9 +434,10 @@ def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gp
 
     def at(block_positions: int, context_tokens: int) -> MemoryEstimate:
         step = StepShape.worst(context_tokens, block_positions, B, figures.mean_doc_tokens)
-        return memory_estimate(shape, step, precision=precision, attention=attention,
-                               checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
-                               optimizer=getattr(cfg.train, "optimizer", "adamw"), loader_host_bytes=host)
+        est = memory_estimate(shape, step, precision=precision, attention=attention,
+                              checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
+                              optimizer=getattr(cfg.train, "optimizer", "adamw"), loader_host_bytes=host)
+        return _loss_terms(cfg, est, shape, step, precision)
 
     peak = at(figures.block_positions_max, figures.context_tokens_max)
     median = at(figures.block_positions_median, figures.context_tokens_median)
@@ -437,8 +455,20 @@ def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gp
         notes.append("steps per epoch need the data: pass --cache CACHE")
     if precision.compute_bytes == 4 and device == "cuda":
         notes.append("train.precision = fp32 on a GPU doubles the activations")
+    if getattr(cfg.train, "loss", "ce") != "ce":
+        notes.append(f"train.loss = {cfg.train.loss}: the loss head holds the teacher's logits too (a second "
+                     "vocabulary head per chunk) and the batch its final state; lower train.logits_chunk_rows "
+                     "to shrink the head")
     return EstimateReport(shape, t.source, figures, device, attention, peak, median, gpu_bytes, gpu_source, flops,
                           tokens_per_s, tps_source, cfg.train.epochs, notes)
+
+
+def _loss_terms(cfg: Any, est: MemoryEstimate, shape: DrafterShape, step: StepShape,
+                precision: Precision) -> MemoryEstimate:
+    """``est`` with the distribution loss's second vocabulary head when ``train.loss`` is not ``ce``."""
+    if getattr(cfg.train, "loss", "ce") == "ce":
+        return est
+    return with_distribution_loss(est, shape, step, precision=precision, chunk_rows=cfg.train.logits_chunk_rows)
 
 
 def _local_gpu_memory() -> tuple[int, str]:
@@ -503,12 +533,13 @@ def check_fits(cfg: Any, cache: Any, device: Any, total: int | None = None) -> N
     t = teacher_shape(cfg, cache)
     shape = DrafterShape.from_config(cfg.model, t.hidden, t.vocab, t.n_features)
     figures = worst_case_figures(cfg, int(cache.spec.max_length))
-    est = memory_estimate(shape, StepShape.worst(figures.context_tokens_max, figures.block_positions_max,
-                                                 shape.block_size, figures.mean_doc_tokens),
-                          precision=Precision.for_device("cuda", cfg.train.precision),
-                          attention=attention_kind(cfg.model.attention, "cuda"),
+    worst = StepShape.worst(figures.context_tokens_max, figures.block_positions_max, shape.block_size,
+                            figures.mean_doc_tokens)
+    precision = Precision.for_device("cuda", cfg.train.precision)
+    est = memory_estimate(shape, worst, precision=precision, attention=attention_kind(cfg.model.attention, "cuda"),
                           checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
                           optimizer=getattr(cfg.train, "optimizer", "adamw"))
+    est = _loss_terms(cfg, est, shape, worst, precision)
     if est.device_peak > total:
         raise ConfigError(
             f"the largest step this config allows needs about {human(est.device_peak)} on the GPU, which has "
