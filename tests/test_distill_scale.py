@@ -143,3 +143,21 @@ def test_a_distribution_loss_step_at_the_27b_shape_on_the_meta_device(preset):
     opt = build_optimizer(cfg.train, model)
     opt.step()
     assert norm.is_meta and all(opt.state[p]["exp_avg"].shape == p.shape for p in params)
+
+
+def test_bench_distill_runs_at_a_tiny_shape(monkeypatch, tmp_path):
+    import importlib.util
+    import sys
+
+    out = tmp_path / "d.json"
+    monkeypatch.setattr(sys, "argv", ["bench_distill.py", "--hidden", "64", "--vocab", "500", "--doc-len", "32",
+                                      "--anchors", "8", "--chunk", "64", "--rounds", "1", "--cache-hidden", "64",
+                                      "--cache-samples", "4", "--out", str(out)])
+    spec = importlib.util.spec_from_file_location("_bench_distill", ROOT / "bench" / "bench_distill.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main() == 0
+    r = json.loads(out.read_text())
+    assert r["step"]["peak_ratio"] > 1.0 and len(r["step"]["cpu_s"]["lk_lambda"]) == 4
+    for codec, row in r["cache"]["bytes_per_token"].items():  # one slot more of four: about 4/3 the bytes
+        assert 1.25 < row["ratio"] < 1.42, codec
