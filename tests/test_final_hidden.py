@@ -78,6 +78,15 @@ def test_extract_stores_the_final_state(tiny_teacher_dir, tmp_path, capsys, code
     capsys.readouterr()
     assert cache_main(["info", str(out)]) == 0
     assert "final state  stored" in capsys.readouterr().out
+    if codec == "bf16-zstd":  # resuming into it without the final state is refused, naming the field
+        cwd = os.getcwd()
+        os.chdir(ROOT)
+        try:
+            without = args[:args.index("cache.store_final_hidden=true") - 1] + args[-2:]  # same codec, no final state
+            assert extract_main(without) == 2
+        finally:
+            os.chdir(cwd)
+        assert "final_hidden" in capsys.readouterr().err
     assert cache_main(["info", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["final_hidden"] is True
 
