@@ -114,6 +114,19 @@ def test_the_losses_are_what_their_names_say():
                                rtol=1e-4, atol=1e-6)
 
 
+def test_the_head_stays_fp32_under_bf16_autocast():
+    # the logits matmuls run in bf16 under autocast; everything after them must stay fp32
+    g = torch.Generator().manual_seed(3)
+    h, f, W = torch.randn(9, 16, generator=g), torch.randn(9, 16, generator=g), torch.randn(40, 16, generator=g)
+    t = torch.randint(0, 40, (9,), generator=g)
+    hb, fb, Wb = (x.to(torch.bfloat16) for x in (h, f, W))
+    for kind in KINDS:
+        want, _ = dense_rows((hb @ Wb.t()).float(), (fb @ Wb.t()).float(), t, kind)  # bf16 logits, then fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = chunked_distillation(hb, fb, W.to(torch.bfloat16), t, DistributionLoss(kind), 4)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=kind)
+
+
 def _final_batch(seed: int = 6):
     """tiny_batch plus a teacher final-state slot after the layer features."""
     batch = tiny_batch(rows=2, length=48, docs_per_row=2, seed=seed)

@@ -31,6 +31,7 @@ loss and its gradient with respect to the row's hidden state in the same pass, a
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,8 +123,10 @@ def _softmax_(z: Tensor) -> Tensor:
 
 
 def _rowdot(a: Tensor, b: Tensor) -> Tensor:
-    """sum_v a[i, v] * b[i, v] -> [c], without an [c, V] temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(-1)
+    """sum_v a[i, v] * b[i, v] -> [c] in fp32 (never in autocast's bf16), without an [c, V] temporary."""
+    off = torch.autocast(a.device.type, enabled=False) if a.device.type in ("cpu", "cuda") else nullcontext()
+    with off:
+        return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(-1)
 
 
 class ChunkedDistillation(torch.autograd.Function):
