@@ -34,6 +34,7 @@ def cache_summary(url: str) -> dict[str, Any]:
         "codec": cache.spec.codec,
         "teacher": cache.spec.to_dict()["teacher"],
         "target_layer_ids": list(cache.spec.target_layer_ids),
+        "final_hidden": cache.spec.final_hidden,  # the teacher's final normed state stored (last feature slot)
         "mask_token_id": cache.spec.mask_token_id,  # None: a cache written before it was recorded
         "mask_token_source": cache.spec.mask_token_source,
         "fingerprint": cache.spec.fingerprint,
@@ -48,6 +49,9 @@ def _print_info(info: dict[str, Any]) -> None:
     print(f"teacher      {t['name_or_path']} ({rev}{t['num_layers']} layers, hidden {t['hidden_size']}, "
           f"vocab {t['vocab_size']}, {t['dtype']})")
     print(f"layers       {info['target_layer_ids']}")
+    print("final state  " + ("stored (last feature slot): distribution losses can train on this cache"
+                             if info["final_hidden"] else
+                             "not stored (extract with cache.store_final_hidden = true for distribution losses)"))
     mask = (f"{info['mask_token_id']} (from the {info['mask_token_source']})" if info["mask_token_id"] is not None
             else "not recorded (set model.mask_token_id to train on this cache)")
     print(f"mask token   {mask}")

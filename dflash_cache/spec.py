@@ -59,6 +59,10 @@ class CacheSpec:
     # write different bytes for the same sample, so they cannot share a cache. None (caches written
     # before these were recorded) is left out of to_dict(), so those caches keep their fingerprint.
     content_settings: dict[str, Any] | None = None
+    # The teacher's final normed hidden state (HF ``hidden_states[-1]``, what its lm_head reads) stored per
+    # token as one more H-wide slot of ``features`` after the layers, with the same codec; the distribution
+    # losses (KL, TV, LK) need it. False is left out of to_dict(): caches without it keep their fingerprint.
+    final_hidden: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -97,9 +101,19 @@ class CacheSpec:
         return self.teacher.hidden_size
 
     @property
-    def feature_dim(self) -> int:
-        """Width of the stored features: ``len(target_layer_ids) * hidden_size``."""
+    def feature_slots(self) -> int:
+        """H-wide slots per stored token: the layers, plus the final normed state when it is stored."""
+        return self.n_layers + int(self.final_hidden)
+
+    @property
+    def layer_feature_dim(self) -> int:
+        """Width of the drafter's input features: ``len(target_layer_ids) * hidden_size``."""
         return self.n_layers * self.teacher.hidden_size
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the stored features: ``feature_slots * hidden_size`` (the layers, then the final state)."""
+        return self.feature_slots * self.teacher.hidden_size
 
     @property
     def n_buckets(self) -> int:
@@ -112,6 +126,8 @@ class CacheSpec:
         for key in ("mask_token_id", "mask_token_source", "content_settings"):
             if d[key] is None:
                 del d[key]
+        if not d["final_hidden"]:
+            del d["final_hidden"]
         return d
 
     @property

@@ -63,6 +63,7 @@ def make_synthetic_cache(
     shard_tokens: int = 1024,
     with_head: bool = True,
     with_argmax: bool = False,
+    final_hidden: bool = False,
     first_id: int = 0,
     seed: int = 0,
 ) -> FeatureCache:
@@ -72,7 +73,8 @@ def make_synthetic_cache(
     ``lengths`` when given, else log-normal around ``median_length`` in [min_length, max_length].
     Each sample: ``input_ids`` uniform in [0, vocab_size), ``loss_mask`` off for the first ~30% of
     tokens (the "prompt") and on after, features from :func:`synthetic_features`, ``target_argmax``
-    (when asked) the next input id. Samples are grouped by bucket into parts of ``samples_per_part``
+    (when asked) the next input id; with ``final_hidden`` one more random slot stands for the teacher's final
+    normed state. Samples are grouped by bucket into parts of ``samples_per_part``
     named ``syn<seed>-b<bucket>-p<k>``. With ``with_head`` a tied random embedding ``[V, H]`` is saved.
     Call it again with another ``first_id`` and ``seed`` to add parts to the same cache.
     """
@@ -81,7 +83,7 @@ def make_synthetic_cache(
     spec = CacheSpec(
         teacher=TeacherInfo("synthetic", None, num_layers, hidden_size, vocab_size, "bfloat16"),
         target_layer_ids=list(target_layer_ids), tokenizer_hash="synthetic", max_length=max_length,
-        codec=codec, bucket_edges=list(bucket_edges), dataset_fingerprint="synthetic",
+        codec=codec, bucket_edges=list(bucket_edges), dataset_fingerprint="synthetic", final_hidden=final_hidden,
     )
     cache = create_cache(url, spec, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens)
     lens = (np.asarray(lengths, np.int64) if lengths is not None
@@ -105,6 +107,6 @@ def _add_sample(w, sample_id: int, t: int, spec: CacheSpec, rng: np.random.Gener
                 with_argmax: bool) -> None:
     ids = rng.integers(0, spec.teacher.vocab_size, size=t).astype(np.int64)  # [T]
     mask = np.arange(t) >= int(0.3 * t)  # [T]
-    feats = synthetic_features(t, spec.n_layers, spec.hidden_size, gen)  # [T, n*H]
+    feats = synthetic_features(t, spec.feature_slots, spec.hidden_size, gen)  # [T, slots*H]
     argmax = np.concatenate([ids[1:], ids[:1]]) if with_argmax else None
     w.add(sample_id, ids, mask, feats, target_argmax=argmax)

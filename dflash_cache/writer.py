@@ -161,7 +161,7 @@ class PartWriter:
         self._lease.clear_leftovers()  # of a dead earlier writer; raises when the part is committed
         self._store = st.zarr_store(self.data_key)
         zarr.create_group(self._store, attributes={"bucket": self.bucket, "name": self.name, "meta": self.meta})
-        d, n = self.cache.spec.feature_dim, self.cache.spec.n_layers
+        d, n = self.cache.spec.feature_dim, self.cache.spec.feature_slots
         self._features = _ShardedArray(self.cache, self.data_key, "features", d, self.codec.stored_dtype,
                                        FEATURE_BLOSC[self.codec.name], feature_compressors(self.codec.name),
                                        {"logical_dtype": self.codec.logical_dtype})
@@ -169,7 +169,7 @@ class PartWriter:
         if self.codec.has_scales:
             self._scales = _ShardedArray(self.cache, self.data_key, "scales", n, "float32", SMALL_BLOSC,
                                          small_compressors(4),
-                                         {"meaning": "per-token, per-layer fp8 scale (absmax / 448)"})
+                                         {"meaning": "per-token, per-slot (layer or final state) fp8 scale (absmax / 448)"})
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -286,7 +286,7 @@ class PartWriter:
 
     def _push_features_unfenced(self, features: torch.Tensor) -> None:
         if self._scales is not None:
-            q, s = quantize_fp8(features, self.cache.spec.n_layers)  # on the features' device
+            q, s = quantize_fp8(features, self.cache.spec.feature_slots)  # on the features' device
             self._features.push(q.cpu().numpy())
             self._scales.push(s.cpu().numpy())
         else:

@@ -50,6 +50,11 @@ class Estimate:
     bytes_with_final: dict[str, int] = field(default_factory=dict)  # plus the final hidden state (width H)
     tokens_per_s: float = DEFAULT_TOKENS_PER_S  # training speed the read bandwidth is sized for
     decode_gbps: dict[str, float] = field(default_factory=lambda: dict(DECODE_GBPS_PER_CORE))
+    final_hidden: bool = False  # cache.store_final_hidden: one more H-wide slot per token
+
+    @property
+    def slots(self) -> int:
+        return len(self.layer_ids) + int(self.final_hidden)
 
     def lines(self, codec: str) -> list[str]:
         s = self.stats
@@ -58,7 +63,9 @@ class Estimate:
             f"({s.n_loss_tokens} loss tokens)",
             f"skipped: {s.n_bad} bad, {s.n_too_few_loss} with too few loss tokens; truncated: {s.n_truncated}",
             f"features: layers {self.layer_ids} x hidden {self.hidden_size} = "
-            f"{len(self.layer_ids) * self.hidden_size} values per token",
+            f"{len(self.layer_ids) * self.hidden_size} values per token"
+            + (f", + the final normed state ({self.hidden_size}) = {self.slots * self.hidden_size}"
+               if self.final_hidden else ""),
             f"mask token: {self.mask_token[0]} (from the {self.mask_token[1]})",
             "buckets: " + ", ".join(f"{b}: {n} samples / {t} tokens"
                                     for b, (n, t) in enumerate(zip(self.bucket_samples, self.bucket_tokens, strict=True))),
@@ -85,6 +92,7 @@ class Estimate:
 
 
 def projected_bytes(n_tokens: int, n_layers: int, hidden: int) -> dict[str, int]:
+    """Stored bytes per codec; ``n_layers`` counts H-wide slots (the final normed state is one more)."""
     raw = n_tokens * n_layers * hidden * 2
     out = {}
     for codec, ratio in CODEC_RATIO.items():
@@ -113,10 +121,11 @@ def estimate(cfg: PipelineConfig, tokens_per_s: float = DEFAULT_TOKENS_PER_S,
         bt[b] += s.length
     hidden = int(text_cfg.hidden_size)
     return Estimate(stats, data.n_total, hidden, layer_ids, bs, bt,
-                    projected_bytes(stats.n_tokens, len(layer_ids), hidden), mask_token,
-                    kernel_hint(missing_kernels(text_cfg)),
+                    projected_bytes(stats.n_tokens, len(layer_ids) + int(cfg.cache.store_final_hidden), hidden),
+                    mask_token, kernel_hint(missing_kernels(text_cfg)),
                     bytes_with_final=projected_bytes(stats.n_tokens, len(layer_ids) + 1, hidden),
-                    tokens_per_s=tokens_per_s, decode_gbps={**DECODE_GBPS_PER_CORE, **(decode_gbps or {})})
+                    tokens_per_s=tokens_per_s, decode_gbps={**DECODE_GBPS_PER_CORE, **(decode_gbps or {})},
+                    final_hidden=cfg.cache.store_final_hidden)
 
 
 def build_parser() -> argparse.ArgumentParser:

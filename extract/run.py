@@ -46,6 +46,7 @@ from .progress import ExtractProgress, human_bytes
 from .teacher import (
     capture_features,
     capture_features_and_argmax,
+    capture_features_and_final,
     load_teacher,
     num_decoder_layers,
     resolve_layer_ids,
@@ -147,6 +148,7 @@ def build_spec(cfg: PipelineConfig, model: Any, tokenizer: Any, layer_ids: list[
         max_length=cfg.data.max_length, codec=cfg.cache.codec, bucket_edges=cfg.cache.bucket_edges,
         dataset_fingerprint=dataset_fp, mask_token_id=mask_id, mask_token_source=mask_source,
         content_settings=content_settings(cfg),
+        final_hidden=cfg.cache.store_final_hidden,
     )
 
 
@@ -306,6 +308,7 @@ class UnitRunner:
         self.extract_cfg, self.rules, self.store_target_argmax = extract_cfg, rules, store_target_argmax
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.layer_ids, self.writer, self.progress, self.report = layer_ids, writer, progress, report
+        self.store_final_hidden = bool(cache.spec.final_hidden)  # the cache's spec says what a part holds
         self.rank, self.world = 0, 1
         self.device = teacher_device(model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -386,7 +389,9 @@ class UnitRunner:
         ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, T]
         mask = batch.attention_mask.to(self.device, non_blocking=True)  # [B, T]
         t0 = time.perf_counter()
-        if self.store_target_argmax:
+        if self.store_final_hidden:  # [B, T, (n+1)*H]: the layers, then the final normed state
+            feats, argmax = capture_features_and_final(self.model, ids, mask, self.layer_ids, self.store_target_argmax)
+        elif self.store_target_argmax:
             feats, argmax = capture_features_and_argmax(self.model, ids, mask, self.layer_ids)
         else:
             feats, argmax = capture_features(self.model, ids, mask, self.layer_ids)[0], None

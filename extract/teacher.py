@@ -389,6 +389,27 @@ def capture_features_and_argmax(
     return cap.features(), torch.cat(parts).reshape(hidden.shape[:2])
 
 
+@torch.inference_mode()
+def capture_features_and_final(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: Sequence[int],
+    with_argmax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(features [B, T, (n+1)*H], argmax [B, T] | None)``: the chosen layers, then the teacher's final normed
+    hidden state (HF ``hidden_states[-1]``, the decoder's ``last_hidden_state``, what the lm_head reads) as one
+    more H-wide slot. The whole stack runs; logits only when the argmax is asked for (in token chunks)."""
+    with LayerCapture(model, layer_ids, stop_after_last=False) as cap:
+        out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    final = out.last_hidden_state  # [B, T, H], after the final norm
+    feats = cap.features()  # [B, T, n*H]
+    argmax = None
+    if with_argmax:
+        head = model.get_output_embeddings()
+        flat = final.reshape(-1, final.shape[-1])  # [B*T, H]
+        argmax = torch.cat([head(flat[i : i + ARGMAX_CHUNK_TOKENS]).argmax(-1)
+                            for i in range(0, len(flat), ARGMAX_CHUNK_TOKENS)]).reshape(final.shape[:2])
+    return torch.cat([feats, final.to(feats.device, feats.dtype)], dim=-1), argmax
+
+
 def teacher_name(teacher_cfg: TeacherConfig) -> str:
     """The name recorded in the cache: the configured path (``builtin:tiny`` stays symbolic)."""
     p = teacher_cfg.path

@@ -20,6 +20,7 @@ from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import LoaderConfig, ModelConfig, TrainConfig
 
 from .batch import Batch
+from .distill import DistributionLoss, distill_loss
 from .objective import (
     DEFAULT_CHUNK_ROWS,
     DPaceWeighting,
@@ -142,22 +143,30 @@ class LossModule(nn.Module):
         self.chunk_rows = chunk_rows
         self.selector: Any = None  # train.dflash2.SelectorLoss when the drafter trains through dflash2_loss
 
+        self.distribution: DistributionLoss | None = None  # train.loss other than ce (train/distill.py)
+
     def forward(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         if self.selector is not None:  # DFlash2, or a drafter with a unary logit transform (train.dflash2)
             from .dflash2 import dflash2_loss
 
             out = dflash2_loss(self.drafter, batch, num_anchors=self.num_anchors, weighting=self.weighting,
                                chunk_rows=self.chunk_rows, selector=self.selector)
-            return out.loss, out.metrics
-        out = dflash_loss(self.drafter, batch, num_anchors=self.num_anchors, weighting=self.weighting,
-                          chunk_rows=self.chunk_rows)
+        elif self.distribution is not None:
+            out = distill_loss(self.drafter, batch, self.distribution, num_anchors=self.num_anchors,
+                               weighting=self.weighting, chunk_rows=self.chunk_rows)
+        else:
+            out = dflash_loss(self.drafter, batch, num_anchors=self.num_anchors, weighting=self.weighting,
+                              chunk_rows=self.chunk_rows)
         return out.loss, out.metrics
 
 
 def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) -> nn.Module:
     weighting = build_position_weighting(train_cfg, model.config.block_size)
-    module: nn.Module = LossModule(model, train_cfg.num_anchors, weighting, train_cfg.logits_chunk_rows)
-    module.selector = build_selector_loss(train_cfg, model)
+    loss_module = LossModule(model, train_cfg.num_anchors, weighting, train_cfg.logits_chunk_rows)
+    loss_module.selector = build_selector_loss(train_cfg, model)
+    if train_cfg.loss != "ce":  # (the config refuses it together with a selector loss)
+        loss_module.distribution = DistributionLoss(train_cfg.loss, train_cfg.loss_ce_weight, train_cfg.lk_eta)
+    module: nn.Module = loss_module
     if d.enabled:
         ids = [d.device.index] if d.device.type == "cuda" else None
         module = nn.parallel.DistributedDataParallel(module, device_ids=ids)

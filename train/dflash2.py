@@ -168,16 +168,24 @@ class DFlash2Drafter(DFlashDrafter):
         """The inference walk over one block's rows 1..B-1: hidden [B-1, H] -> tokens [B-1]; each row's previous
         token is the one chosen for the row before (the anchor for the first). Greedy at temperature 0, else
         sampled from ``softmax(scores / temperature)`` over the row's K candidates."""
+
+        def choose(scores: Tensor, _cand: Tensor) -> Tensor:  # scores [1, K] -> the chosen column [1]
+            if temperature > 0:
+                return torch.multinomial(torch.softmax(scores / temperature, -1), 1, generator=generator)[:, 0]
+            return scores.argmax(-1)
+
+        return self.walk(hidden, anchor, choose)
+
+    def walk(self, hidden: Tensor, anchor: int, choose: Any) -> Tensor:
+        """The selector's walk with a given rule: ``choose(scores [1, K], candidates [K]) -> column [1]`` picks
+        each row's token among its unary top-K given the row before's. hidden [B-1, H] -> tokens [B-1]."""
         sel = self.candidate_selector
         unary, cand = self.logits(hidden).float().topk(sel.top_k, dim=-1)  # [B-1, K]
         prev = torch.tensor([anchor], device=hidden.device)
         path = []
         for row in range(hidden.shape[0]):
             scores = unary[row:row + 1] + sel.pair_scores(hidden[row:row + 1], prev, cand[row:row + 1])  # [1, K]
-            if temperature > 0:
-                j = torch.multinomial(torch.softmax(scores / temperature, -1), 1, generator=generator)[:, 0]
-            else:
-                j = scores.argmax(-1)
+            j = choose(scores, cand[row]).to(cand.device)
             prev = cand[row:row + 1].gather(1, j.unsqueeze(1)).squeeze(1)  # [1]
             path.append(prev)
         return torch.cat(path)

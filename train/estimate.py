@@ -330,6 +330,25 @@ def with_dflash2_terms(est: MemoryEstimate, shape: DrafterShape, step: StepShape
     )
 
 
+def with_distribution_loss(est: MemoryEstimate, shape: DrafterShape, step: StepShape, *,
+                           precision: Precision = Precision(), chunk_rows: int = 2048) -> MemoryEstimate:
+    """``est`` under a distribution loss (``train.loss`` kl / tv / lk_*, train/distill.py): the batch carries the
+    teacher's final state (one more H-wide bf16 slot per context token); the loss head gathers the counted
+    rows' teacher states (bf16, and in the compute dtype) and holds, per chunk, the second vocabulary head:
+    the drafter's and the teacher's fp32 logits, the teacher's probabilities and one more fp32 [chunk, V]
+    temporary (four in all, plus a logits matmul output in the compute dtype), in place of CE's one."""
+    H, V, c = shape.hidden, shape.vocab, precision.compute_bytes
+    N = step.counted_rows
+    chunk = min(chunk_rows, max(N, 1))
+    head_cast = V * H * c if (precision.head_bytes != c and not precision.autocast) else 0
+    teacher_rows = N * H * (2 + (c if c != 2 else 0))
+    # as memory_estimate's loss head (the final norm's output [Q, H], the counted rows and their gradient), plus
+    # the teacher's rows and the second vocabulary head's chunk
+    Q = step.blocks * shape.block_size
+    loss_head = Q * H * c + 2 * N * H * c + teacher_rows + chunk * V * (16 + (c if c != 4 else 0)) + head_cast
+    return replace(est, batch=est.batch + step.context_tokens * H * 2, loss_head=loss_head)
+
+
 def flops_per_step(shape: DrafterShape, step: StepShape) -> float:
     """Model FLOPs of one training step, matmuls only, as MFU conventions count them (the forward that
     activation checkpointing recomputes is not counted): the layers forward + backward (3x forward); ``fc``
@@ -535,12 +554,7 @@ def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gp
                               checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
                               optimizer=getattr(cfg.train, "optimizer", "adamw"), loader_host_bytes=host,
                               foreach_optimizer=device == "cuda")
-        if cfg.model.arch == "dflash2":
-            est = with_dflash2_terms(est, shape, step, cfg.model, precision=precision,
-                                     checkpointing=cfg.model.activation_checkpointing,
-                                     optimizer=getattr(cfg.train, "optimizer", "adamw"),
-                                     chunk_rows=cfg.train.logits_chunk_rows)
-        return est
+        return _family_and_loss_terms(cfg, est, shape, step, precision)
 
     peak = at(figures.block_positions_max, figures.context_tokens_max)
     median = at(figures.block_positions_median, figures.context_tokens_median)
@@ -563,6 +577,10 @@ def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gp
         notes.append("steps per epoch need the data: pass --cache CACHE")
     if precision.compute_bytes == 4 and device == "cuda":
         notes.append("train.precision = fp32 on a GPU doubles the activations")
+    if getattr(cfg.train, "loss", "ce") != "ce":
+        notes.append(f"train.loss = {cfg.train.loss}: the loss head holds the teacher's logits too (a second "
+                     "vocabulary head per chunk) and the batch its final state; lower train.logits_chunk_rows "
+                     "to shrink the head")
     return EstimateReport(shape, t.source, figures, device, attention, peak, median, gpu_bytes, gpu_source, flops,
                           tokens_per_s, tps_source, cfg.train.epochs, notes)
 
@@ -577,6 +595,20 @@ def parameter_count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return str(n)
+
+
+def _family_and_loss_terms(cfg: Any, est: MemoryEstimate, shape: DrafterShape, step: StepShape,
+                           precision: Precision) -> MemoryEstimate:
+    """``est`` with DFlash2's terms (``model.arch = dflash2``) and the distribution loss's second vocabulary
+    head (``train.loss`` other than ``ce``)."""
+    if cfg.model.arch == "dflash2":
+        est = with_dflash2_terms(est, shape, step, cfg.model, precision=precision,
+                                 checkpointing=cfg.model.activation_checkpointing,
+                                 optimizer=getattr(cfg.train, "optimizer", "adamw"),
+                                 chunk_rows=cfg.train.logits_chunk_rows)
+    if getattr(cfg.train, "loss", "ce") != "ce":
+        est = with_distribution_loss(est, shape, step, precision=precision, chunk_rows=cfg.train.logits_chunk_rows)
+    return est
 
 
 def _local_gpu_memory() -> tuple[int, str]:
@@ -645,12 +677,13 @@ def check_fits(cfg: Any, cache: Any, device: Any, total: int | None = None) -> N
     t = teacher_shape(cfg, cache)
     shape = DrafterShape.from_config(cfg.model, t.hidden, t.vocab, t.n_features)
     figures = worst_case_figures(cfg, int(cache.spec.max_length))
-    est = memory_estimate(shape, StepShape.worst(figures.context_tokens_max, figures.block_positions_max,
-                                                 shape.block_size, figures.mean_doc_tokens),
-                          precision=Precision.for_device("cuda", cfg.train.precision),
-                          attention=attention_kind(cfg.model.attention, "cuda"),
+    worst = StepShape.worst(figures.context_tokens_max, figures.block_positions_max, shape.block_size,
+                            figures.mean_doc_tokens)
+    precision = Precision.for_device("cuda", cfg.train.precision)
+    est = memory_estimate(shape, worst, precision=precision, attention=attention_kind(cfg.model.attention, "cuda"),
                           checkpointing=cfg.model.activation_checkpointing, chunk_rows=cfg.train.logits_chunk_rows,
                           optimizer=getattr(cfg.train, "optimizer", "adamw"), foreach_optimizer=True)
+    est = _family_and_loss_terms(cfg, est, shape, worst, precision)
     if est.device_peak > total:
         raise ConfigError(
             f"the largest step this config allows needs about {human(est.device_peak)} on the GPU, which has "

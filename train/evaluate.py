@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -40,6 +40,7 @@ from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .attention import BlockLayout
 from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
+from .sampling import RejectionSampler, SamplingParams, warp
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,21 @@ def greedy_reference(teacher: Any, prompt: list[int], max_new_tokens: int, eos: 
 @torch.no_grad()
 def propose(model: Any, ctx_features: Tensor, last_token: int) -> list[int]:
     """Greedy block draft: B-1 tokens after ``last_token`` (not yet seen by the teacher), given the
-    teacher features of the P tokens before it. ctx_features [P, n*H]."""
+    teacher features of the P tokens before it. ctx_features [P, n*H]. DFlash2: the selector's walk."""
+    if hasattr(model, "select_path"):  # DFlash2: the selector walks the block from the anchor
+        return model.select_path(draft_hidden(model, ctx_features, last_token), last_token).tolist()
+    return draft_logits(model, ctx_features, last_token).argmax(-1).tolist()  # [B-1]
+
+
+@torch.no_grad()
+def draft_logits(model: Any, ctx_features: Tensor, last_token: int) -> Tensor:
+    """The drafter's unary logits [B-1, V] for the B-1 tokens after ``last_token``. ctx_features [P, n*H]."""
+    return model.logits(draft_hidden(model, ctx_features, last_token))
+
+
+@torch.no_grad()
+def draft_hidden(model: Any, ctx_features: Tensor, last_token: int) -> Tensor:
+    """The drafter's final hidden states [B-1, H] of the block rows after ``last_token``. ctx_features [P, n*H]."""
     cfg = model.config
     B, P = cfg.block_size, int(ctx_features.shape[0])
     device = next(model.parameters()).device
@@ -243,9 +258,7 @@ def propose(model: Any, ctx_features: Tensor, last_token: int) -> list[int]:
                          device=device), ctx_pos=positions, block_size=B)
     features = torch.cat([ctx_features.to(device), ctx_features.new_zeros(1, ctx_features.shape[1]).to(device)])
     hidden = model(features.unsqueeze(0), block, (P + torch.arange(B, device=device)).unsqueeze(0), layout)
-    if hasattr(model, "select_path"):  # DFlash2: the selector walks the block from the anchor
-        return model.select_path(hidden[0, 1:], last_token).tolist()
-    return model.logits(hidden[0, 1:]).argmax(-1).tolist()  # [B-1]
+    return hidden[0, 1:]  # [B-1, H]
 
 
 @torch.no_grad()
@@ -278,14 +291,98 @@ def speculative_decode(model: Any, teacher: Any, prompt: list[int], max_new_toke
     return LivePromptResult(len(prompt), generated[:min(stop, max_new_tokens)], cycles)
 
 
+# -- sampled verification (temperature > 0): lossless in distribution ----------------------------------
+
+
+def _teacher_logits_step(teacher: Any, ids: list[int], layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Full teacher forward over ``ids``: (features [T, n*H], next-token logits per position [T, V])."""
+    from extract.teacher import capture_features, teacher_device
+
+    x = torch.tensor([ids], dtype=torch.long, device=teacher_device(teacher))
+    feats, logits = capture_features(teacher, x, None, layer_ids, with_logits=True)
+    return feats[0], logits[0]
+
+
+# (model, accepted tokens [P], their teacher features [P, n*H], last token, params, sampler) -> (drafts, q)
+Proposal = Callable[[Any, list[int], Tensor, int, SamplingParams, RejectionSampler], tuple[list[int], Tensor]]
+
+
+def sample_proposal(model: Any, ctx_tokens: list[int], ctx_features: Tensor, last_token: int,
+                    params: SamplingParams, sampler: RejectionSampler) -> tuple[list[int], Tensor]:
+    """The DFlash proposal: each of the B-1 block rows drawn from the drafter's warped distribution.
+    Returns (drafts [B-1], their proposal distributions q [B-1, V]); another proposal (e.g. a candidate
+    selector's, which may condition each draft on the previous one) plugs in with the same signature."""
+    q = warp(draft_logits(model, ctx_features, last_token), params).cpu()  # [B-1, V]
+    return [sampler.sample(row) for row in q], q
+
+
+def selector_proposal(model: Any, ctx_tokens: list[int], ctx_features: Tensor, last_token: int,
+                      params: SamplingParams, sampler: RejectionSampler) -> tuple[list[int], Tensor]:
+    """The DFlash2 proposal: the selector's walk, each row drawn from softmax(scores / T) over its K candidates
+    given the token drawn for the row before (the anchor for the first). q [B-1, V] is that distribution on the
+    vocabulary (zero outside the row's candidates): exactly what each draft was drawn from, so rejection
+    sampling stays lossless. ``params``' top-p / top-k shape the teacher's side only."""
+    hidden = draft_hidden(model, ctx_features, last_token)  # [B-1, H]
+    vocab = int(model.config.vocab_size)
+    rows: list[Tensor] = []
+
+    def draw(scores: Tensor, cand: Tensor) -> Tensor:  # scores [1, K], cand [K] -> the drawn column [1]
+        q = torch.zeros(vocab).index_put_((cand.cpu(),), torch.softmax(scores[0].float() / params.temperature, -1).cpu())
+        rows.append(q)
+        return (cand == sampler.sample(q)).nonzero()[0]
+
+    drafts = model.walk(hidden, last_token, draw).tolist()
+    return drafts, torch.stack(rows)
+
+
+@torch.no_grad()
+def sampled_speculative_decode(model: Any, teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int],
+                               layer_ids: Sequence[int], params: SamplingParams, sampler: RejectionSampler,
+                               proposal: Proposal = sample_proposal) -> LivePromptResult:
+    """Speculative sampling (train/sampling.py): the output is distributed as the teacher's own sampling with
+    ``params``. Cycles are run and counted as :data:`TAU_CONVENTION` says."""
+    feats, logits = _teacher_logits_step(teacher, prompt, layer_ids)  # prefill
+    seq, pending = list(prompt), sampler.sample(warp(logits[-1], params))
+    generated, cycles = [pending], []
+    stopped = pending in eos
+    while True:
+        drafts, q = proposal(model, seq, feats, pending, params, sampler)
+        feats_v, logits_v = _teacher_logits_step(teacher, seq + [pending] + drafts, layer_ids)
+        P = len(seq)
+        new = sampler.verify(drafts, q, warp(logits_v[P:], params))  # p [k+1, V]
+        cycles.append(len(new))
+        seq = seq + [pending] + new[:-1]
+        feats = feats_v[: len(seq)]
+        generated.extend(new)
+        pending = new[-1]
+        stopped = stopped or any(t in eos for t in new)
+        if stopped or len(generated) > max_new_tokens:
+            break
+    stop = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
+    return LivePromptResult(len(prompt), generated[:min(stop, max_new_tokens)], cycles)
+
+
 def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new_tokens: int, eos: set[int],
-              layer_ids: Sequence[int], sample_ids: Sequence[int] | None = None) -> LiveResult:
-    """Speculative decoding on every prompt, checked token for token against the teacher's greedy output."""
+              layer_ids: Sequence[int], sample_ids: Sequence[int] | None = None,
+              sampling: SamplingParams | None = None, seed: int = 0) -> LiveResult:
+    """Speculative decoding on every prompt. Greedy (``sampling`` None or temperature 0): checked token for
+    token against the teacher's greedy output. Sampled: speculative sampling (lossless in distribution, which
+    tests/test_sampling.py checks statistically), drawing from one generator seeded with ``seed``."""
     was_training = model.training
     model.eval()
     result = LiveResult()
+    sampler = RejectionSampler(torch.Generator().manual_seed(seed))
     try:
         for i, prompt in enumerate(prompts):
+            if sampling is not None and not sampling.greedy:
+                got = sampled_speculative_decode(
+                    model, teacher, prompt, max_new_tokens, eos, layer_ids, sampling, sampler,
+                    selector_proposal if hasattr(model, "walk") else sample_proposal)
+                got.sample_id = None if sample_ids is None else int(sample_ids[i])
+                result.prompts.append(got)
+                log.info("live prompt %d: %d tokens, tau %.3f (T=%g)", i, len(got.generated), got.tau,
+                         sampling.temperature)
+                continue
             got = speculative_decode(model, teacher, prompt, max_new_tokens, eos, layer_ids)
             got.sample_id = None if sample_ids is None else int(sample_ids[i])
             want = greedy_reference(teacher, prompt, max_new_tokens, eos)
@@ -337,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
         "dflash-train eval",
         "Measure a drafter's acceptance length tau (tokens per target forward): teacher-forced over every "
         "eligible anchor of the cache's held-out samples, and with --live by real greedy speculative decoding "
-        "with the teacher, checked token for token against the teacher's own greedy output.",
+        "with the teacher, checked token for token against the teacher's own greedy output (or, with --temperature, "
+        "by speculative sampling, lossless in distribution).",
         "tau = 1.0 means no speed-up; the block size is the ceiling.")
     p.add_argument("config", help="TOML preset (the run's config): model/loader/eval/teacher sections")
     p.add_argument("--cache", required=True, help="feature cache URL (held-out samples and the frozen head)")
@@ -348,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate (teacher-forced, and live prompts) on the held-out samples (default) or the whole "
                         "cache (which includes the training samples)")
     p.add_argument("--live", action="store_true", help="also run live speculative decoding with the teacher")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="--live: verify by speculative sampling at this temperature (lossless in distribution); "
+                        "0 (default) = greedy, checked token for token")
+    p.add_argument("--top-p", type=float, default=1.0, help="--live with --temperature: nucleus sampling (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="--live with --temperature: top-k sampling (0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="--live with --temperature: the sampling seed")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
@@ -358,6 +462,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     from dflash_cache.runtime.config import load_config
 
     args = build_parser().parse_args(argv)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)  # bad values: exit 2 before any work
     cfg = load_config(args.config, args.overrides)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # training's CPU thread budget: torch's default (a thread per core) contends with the cache's readers and
@@ -370,7 +475,8 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     tf = teacher_forced_eval(model, cache, ids, max_blocks=cfg.eval.max_blocks)
     report: dict[str, Any] = asdict(tf)
     if args.live:
-        report["live"] = run_live(model, cfg.eval, cfg.teacher, cache, ids, prompt_source=args.samples)
+        report["live"] = run_live(model, cfg.eval, cfg.teacher, cache, ids, prompt_source=args.samples,
+                                  sampling=sampling, seed=args.seed)
     if args.json:
         print(json.dumps(report))
     else:
@@ -380,13 +486,16 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
         if args.live:
             live = report["live"]
             print(f"live: tau {live['tau']:.3f} over {len(live['prompts'])} {args.samples} prompts; per prompt "
-                  + " ".join(f"{t:.2f}" for t in live["tau_per_prompt"]) + "; lossless: yes")
+                  + " ".join(f"{t:.2f}" for t in live["tau_per_prompt"])
+                  + ("; lossless: yes" if live["lossless"] is True else
+                     f"; sampled at T={sampling.temperature:g} (top-p {sampling.top_p:g}, top-k {sampling.top_k}): "
+                     "lossless in distribution"))
             print(f"  ({TAU_CONVENTION})")
     return 0
 
 
 def run_live(model: Any, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache: Any, sample_ids: Sequence[int],
-             prompt_source: str = "holdout") -> dict[str, Any]:
+             prompt_source: str = "holdout", sampling: SamplingParams | None = None, seed: int = 0) -> dict[str, Any]:
     """Live speculative decoding on ``eval.live_prompts`` prompts from ``sample_ids`` (the held-out ones,
     unless the caller says otherwise in ``prompt_source``) with the teacher of ``teacher_cfg``; the ``--json``
     document's ``live`` entry."""
@@ -406,7 +515,9 @@ def run_live(model: Any, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache
     teacher, tokenizer = load_teacher(teacher_cfg)
     eos = {int(t) for t in np.atleast_1d(teacher.generation_config.eos_token_id or tokenizer.eos_token_id)}
     res = live_eval(model, teacher, [p for _, p in prompts], max_new_tokens=eval_cfg.live_max_new_tokens, eos=eos,
-                    layer_ids=list(cache.spec.target_layer_ids), sample_ids=[i for i, _ in prompts])
+                    layer_ids=list(cache.spec.target_layer_ids), sample_ids=[i for i, _ in prompts],
+                    sampling=sampling, seed=seed)
+    sampled = sampling is not None and not sampling.greedy
     return {
         "tau": res.tau, "tau_convention": TAU_CONVENTION, "prompt_source": prompt_source,
         "tau_per_prompt": [p.tau for p in res.prompts],
@@ -414,5 +525,7 @@ def run_live(model: Any, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache
         "prompts": [{"sample_id": p.sample_id, "prompt_tokens": p.prompt_tokens, "generated_tokens": len(p.generated),
                      "cycles": len(p.accepted_per_cycle), "tau": p.tau, "accepted_per_cycle": p.accepted_per_cycle}
                     for p in res.prompts],
-        "lossless": True,
+        # greedy: checked token for token; sampled: speculative sampling, lossless in distribution
+        "lossless": "in distribution" if sampled else True,
+        "sampling": asdict(sampling) if sampled else None, "seed": seed if sampled else None,
     }

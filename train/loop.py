@@ -44,6 +44,7 @@ from .build import (
     total_steps_for,
 )
 from .checkpoint import Checkpointer, find_latest
+from .distill import check_loss_source
 from .estimate import check_fits
 from .guards import SpikeGuard, TooManySkipsError
 from .metrics import MetricLogger, StepTimer
@@ -122,6 +123,7 @@ def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed, watch: 
            ) -> TrainResult:
     log.info("training: %s", d.describe())  # a collective: every rank calls it
     budget_cpu_threads(d.device, cfg.loader.num_readers, d.local_world_size)
+    check_loss_source(cfg.train.loss, cache.spec)  # a distribution loss needs the teacher's final state
     check_fits(cfg, cache, d.device)  # before any GPU memory is taken: the worst step must fit
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cache, d.device)

@@ -343,10 +343,18 @@ def forward_blocks(model: Any, batch: BatchLike, flat: FlatBatch, anchors: Tenso
     return run_blocks(model, batch, build_blocks(flat, anchors, cfg.block_size, cfg.mask_token_id))
 
 
+def layer_features(model: Any, features: Tensor) -> Tensor:
+    """The drafter's input [R, T, n*H] of cache features: a cache extracted with ``cache.store_final_hidden``
+    adds the teacher's final normed state as a last H-wide slot (for the distribution losses), left out here."""
+    width = len(model.config.target_layer_ids) * int(model.config.hidden_size)
+    return features[..., :width] if features.shape[-1] == width + int(model.config.hidden_size) else features
+
+
 def run_blocks(model: Any, batch: BatchLike, blocks: Blocks) -> tuple[Tensor, Blocks]:
     """The drafter's final hidden states [A, B, H] for ``blocks``, moved to the features' device first."""
     blocks = blocks.to(batch.features.device)
-    return model(batch.features, blocks.block_ids, blocks.block_positions, blocks.layout), blocks
+    features = layer_features(model, batch.features)  # [R, T, n*H]
+    return model(features, blocks.block_ids, blocks.block_positions, blocks.layout), blocks
 
 
 @torch.no_grad()

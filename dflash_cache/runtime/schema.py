@@ -123,6 +123,10 @@ class CacheConfig(Section):
     """Number of teacher layers captured when `target_layer_ids` is not given."""
     store_target_argmax: bool = False
     """Also store the teacher's argmax token per position (computes the lm_head)."""
+    store_final_hidden: bool = False
+    """Also store the teacher's final normed hidden state per position (HF `hidden_states[-1]`, what its lm_head
+    reads) as one more slot of the features, same codec: needed by the distribution losses (`train.loss` =
+    `kl`, `tv`, `lk_lambda`, `lk_alpha`); runs the whole teacher stack; one hidden size more per token."""
     chunk_tokens: int = Field(256, gt=0)
     """Inner chunk length along tokens (the unit of a random read)."""
     shard_tokens: int = Field(16384, gt=0)
@@ -273,6 +277,14 @@ class TrainConfig(Section):
     logits_chunk_rows: int = Field(2048, gt=0)
     """Block rows whose full-vocabulary logits exist at once in the loss (forward and backward); bounds its
     memory."""
+    loss: Literal["ce", "kl", "tv", "lk_lambda", "lk_alpha"] = "ce"
+    """Per block row: `ce` on the data token; or against the teacher's distribution (needs a cache extracted
+    with `cache.store_final_hidden`): `kl` forward KL, `tv` total variation, `lk_alpha` -log(acceptance
+    probability), `lk_lambda` an acceptance-adaptive KL/TV blend (LK losses; formulas in train/distill.py)."""
+    loss_ce_weight: float = Field(0.0, ge=0, lt=1)
+    """With a distribution `loss`: each row's loss is `w` x CE + (1 - `w`) x the distribution loss (e.g. 0.5)."""
+    lk_eta: float = Field(3.0, gt=0)
+    """`lk_lambda` only: the KL share exp(-eta x acceptance probability) of each row."""
     loss_weighting: Literal["exp_decay", "dpace"] = "exp_decay"
     """Weights of the block rows in the loss: `exp_decay` exp(-(k-1)/`loss_gamma`), weighted mean (the reference
     recipe); `dpace` D-PACE weights from the drafter's own detached confidence per row (docs/recipe.md)."""
@@ -298,6 +310,9 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        if self.loss == "ce" and self.loss_ce_weight:
+            raise ValueError("loss_ce_weight mixes CE into a distribution loss; with loss = \"ce\" leave it at 0 "
+                             "(or set loss to kl, tv, lk_lambda or lk_alpha)")
         if self.loss_weighting == "dpace" and self.loss_gamma is not None:
             raise ValueError("loss_gamma sets the exp_decay weights; with loss_weighting = \"dpace\" leave it "
                              "unset (dpace_alpha is D-PACE's parameter)")
@@ -480,6 +495,14 @@ class PipelineConfig(Section):
                 ("train", "max_steps"), None,
                 "is required when loader.live = true: the cache is still being extracted, so the number of steps "
                 "(and the lr schedule) cannot be planned from it; set --set train.max_steps=N"))
+        m = self.model
+        if self.train.loss != "ce" and (m.arch == "dflash2" or m.output_multiplier != 1.0
+                                        or m.final_logit_softcapping is not None):
+            errors.append(_field_error(
+                ("train", "loss"), self.train.loss,
+                "is not available with model.arch = dflash2 or a unary logit transform (model.output_multiplier, "
+                "model.final_logit_softcapping) yet: those drafters train through the selector loss, whose unary "
+                "part is CE; use train.loss = ce, or a DFlash drafter without the transform"))
         if errors:
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self

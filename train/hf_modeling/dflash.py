@@ -91,6 +91,38 @@ def _prompt_ids(input_ids: Any) -> torch.Tensor:
                     f"one), got {type(input_ids).__name__}")
 
 
+def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """logits [..., V] -> fp32 probabilities after temperature, top-k (0: off), top-p (1: off)."""
+    z = logits.float() / temperature
+    if 0 < top_k < z.shape[-1]:
+        z = z.masked_fill(z < z.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
+    probs = z.softmax(-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = torch.zeros_like(sorted_p, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p >= top_p)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def speculative_sampling(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                         generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Rejection sampling of drafts [k] drawn from q [k, V] against the target's p [k+1, V]: ``(accepted,
+    next token)``. Draft i is kept with probability min(1, p_i(x_i) / q_i(x_i)) while all before it were; at
+    the first rejection the next token is drawn from norm(max(p_i - q_i, 0)), after k acceptances from p_k.
+    Every emitted token is then distributed as the target's p (lossless in distribution). CPU tensors."""
+    k = int(drafts.shape[0])
+    idx = torch.arange(k)
+    ratio = p[idx, drafts] / q[idx, drafts]  # [k]
+    accepted = int((torch.rand(k, generator=generator) < ratio).long().cumprod(0).sum())
+    if accepted < k:
+        dist = (p[accepted] - q[accepted]).clamp(min=0)
+        dist = dist / dist.sum() if dist.sum() > 0 else p[accepted]
+    else:
+        dist = p[k]
+    return accepted, int(torch.multinomial(dist, 1, generator=generator))
+
+
 def _cache_keyword(model: nn.Module) -> str:
     """The name under which a transformers model takes and returns its KV cache: ``cache`` in recent
     transformers versions, ``past_key_values`` before (and deprecated after)."""
@@ -327,15 +359,30 @@ class DFlashDraftModel(PreTrainedModel):
         """The drafts [B, L] of a block's rows 1.. (hidden [B, L, H]) after ``anchor_ids`` [B]: the argmax."""
         return self.compute_logits(hidden, head).argmax(dim=-1)
 
+    def draft(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, head: nn.Module, temperature: float = 0.0,
+              top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One block's drafts [1, L] (hidden [1, L, H] of rows 1.., after ``anchor_ids`` [1]) and, when sampling,
+        the distribution q [L, V] (fp32, CPU) each row was drawn from: what :func:`speculative_sampling`
+        verifies against. DFlash: the rows' warped unary distributions, drawn independently."""
+        if temperature < 1e-5:
+            return self.draft_tokens(hidden, anchor_ids, head), None
+        q = warp_probs(self.compute_logits(hidden, head)[0], temperature, top_p, top_k).cpu()  # [L, V]
+        return torch.multinomial(q, 1, generator=generator).view(1, -1), q
+
     @torch.inference_mode()
     def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
                       stop_token_ids: Sequence[int] | None = None, temperature: float = 0.0, *,
+                      top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None,
                       return_stats: bool = False) -> torch.Tensor | DFlashGeneration:
         """Speculative decoding of one prompt with ``target`` (an HF causal LM with a croppable KV cache).
 
         Each cycle drafts B-1 tokens after the last accepted one in a single drafter forward; the
-        target verifies the block in one forward and keeps the drafts equal to its own choice, plus
-        its next token. At temperature 0 the output is the target's greedy output. Returns the ids
+        target verifies the block in one forward. At temperature 0 it keeps the drafts equal to its own
+        greedy choice, plus its next token: the output is the target's greedy output. At temperature > 0
+        (with ``top_p`` / ``top_k``) each draft is drawn from the drafter's warped distribution and
+        verified by :func:`speculative_sampling`: the output is distributed as the target's own sampling
+        with the same settings (``generator``: a CPU generator for reproducible draws). Returns the ids
         ``[1, P + generated]`` (at most ``max_new_tokens`` new, cut after the first stop token), or a
         :class:`DFlashGeneration` with the per-cycle acceptance lengths when ``return_stats``."""
         self.eval()
@@ -357,7 +404,12 @@ class DFlashDraftModel(PreTrainedModel):
         out = target(input_ids=input_ids, position_ids=positions[:, :P], use_cache=True,
                      output_hidden_states=True, logits_to_keep=1)
         target_cache = getattr(out, kv)
-        output_ids[:, P] = sample(out.logits[:, -1:], temperature)[:, 0]
+        greedy = temperature < 1e-5
+        if greedy:
+            output_ids[:, P] = sample(out.logits[:, -1:], temperature)[:, 0]
+        else:
+            first = warp_probs(out.logits[0, -1], temperature, top_p, top_k)  # [V]
+            output_ids[:, P] = int(torch.multinomial(first.cpu(), 1, generator=generator))
         ctx = extract_context_feature(out.hidden_states, self.target_layer_ids)  # [1, P, n*H]
         draft_cache = DynamicCache()
         result = DFlashGeneration(output_ids, P)
@@ -371,13 +423,19 @@ class DFlashDraftModel(PreTrainedModel):
             hidden = self(position_ids=positions[:, cached:start + B], noise_embedding=embed(block).to(self.device),
                           target_hidden=ctx.to(self.device), past_key_values=draft_cache)  # [1, B, H]
             _crop(draft_cache, start)  # keep the context only
-            block[:, 1:] = self.draft_tokens(hidden[:, 1:], block[:, 0], head, temperature).to(device)
+            drafts, q = self.draft(hidden[:, 1:], block[:, 0], head, temperature, top_p, top_k, generator)
+            block[:, 1:] = drafts.to(device)
             out = target(input_ids=block, position_ids=positions[:, start:start + B], **{kv: target_cache},
                          use_cache=True, output_hidden_states=True)
-            posterior = sample(out.logits, temperature)  # [1, B]: the target's token after each row
-            accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum())
+            if greedy:
+                posterior = sample(out.logits, temperature)  # [1, B]: the target's token after each row
+                accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum())
+                nxt = int(posterior[0, accepted])
+            else:
+                p = warp_probs(out.logits[0], temperature, top_p, top_k).cpu()  # [B, V]
+                accepted, nxt = speculative_sampling(block[0, 1:].cpu(), q, p, generator)
             output_ids[:, start:start + accepted + 1] = block[:, :accepted + 1]
-            output_ids[:, start + accepted + 1] = posterior[:, accepted]
+            output_ids[:, start + accepted + 1] = nxt
             stopped = bool(torch.isin(output_ids[0, start + 1:start + accepted + 2], stops).any())
             start += accepted + 1
             _crop(target_cache, start)
@@ -482,3 +540,16 @@ class DFlash2DraftModel(DFlashDraftModel):
     def draft_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, head: nn.Module,
                      temperature: float = 0.0) -> torch.Tensor:
         return self.propose(hidden, anchor_ids, head, temperature)[0]
+
+    def draft(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, head: nn.Module, temperature: float = 0.0,
+              top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DFlash2: the selector's walk; when sampling, each row is drawn from softmax(scores / T) over its
+        candidates given the row before, and q [L, V] is that distribution on the vocabulary (zero outside the
+        candidates). ``top_p`` / ``top_k`` shape the target's side only (lossless for any proposal)."""
+        if temperature < 1e-5:
+            return self.draft_tokens(hidden, anchor_ids, head), None
+        tokens, cand, dists = self.propose(hidden, anchor_ids, head, temperature, generator)  # (generator: on the
+        # drafter's device)
+        q = torch.zeros(cand.shape[1], int(head.weight.shape[0])).scatter_(1, cand[0].cpu(), dists[0].float().cpu())
+        return tokens, q
