@@ -17,7 +17,8 @@ A holder is live when
 
 Limits, by design: across hosts liveness rests on the heartbeat, so a writer that stalls for longer
 than ``timeout_s`` (default :data:`LEASE_TIMEOUT_S`) can lose its part to another process; it
-notices before it commits (the commit is refused and it removes nothing). The hosts' clocks must
+writes only into its own generation's directory, which nothing reads, and its commit is refused
+(:mod:`dflash_cache.fence`). The hosts' clocks must
 agree to well within ``timeout_s`` (NTP). Exclusive creation is atomic on local and NFS paths (hard
 links) and ``memory://``; on another fsspec filesystem only where its ``pipe_file(mode="create")`` is
 a conditional write (``If-None-Match`` on S3-compatible stores, in implementations that support it).

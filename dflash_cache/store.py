@@ -347,12 +347,13 @@ def bucket_group_json(spec: CacheSpec, b: int) -> bytes:
 
 
 def _write_bucket_groups(storage: Storage, spec: CacheSpec) -> None:
-    """The group documents of ``buckets/`` and each bucket (fixed by the spec), where missing."""
-    if not storage.exists("buckets/zarr.json"):
-        storage.create_exclusive("buckets/zarr.json", _group_json({}))
+    """The group documents of ``buckets/`` and each bucket, where missing. Only after the root exists with
+    this spec: they are fixed by the spec, so every writer writes the same bytes."""
     for b in range(spec.n_buckets):
         if not storage.exists(f"buckets/{b}/zarr.json"):
-            storage.create_exclusive(f"buckets/{b}/zarr.json", bucket_group_json(spec, b))
+            storage.put(f"buckets/{b}/zarr.json", bucket_group_json(spec, b))
+    if not storage.exists("buckets/zarr.json"):
+        storage.put("buckets/zarr.json", _group_json({}))
 
 
 def open_cache(url: str, storage: Storage | None = None) -> FeatureCache:

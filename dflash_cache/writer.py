@@ -12,9 +12,9 @@ Durability protocol: data arrays are written (whole shards, then the small array
 file under the part is fsynced (local filesystems), the generation is sealed for the commit, then
 ``commit.json`` is created last, atomically, exclusively and durably. The commit record also binds
 each shard to the part: the crc32c of every shard's chunk index (checked by readers whenever they
-open a shard, at no extra read) and of every small array (checked when it is loaded). Readers list parts that have a commit record only, so a writer killed at
-any moment leaves no visible part; its directory is an uncommitted leftover that the next writer of
-the part (or ``gc``) clears.
+open a shard, at no extra read) and of every small array (checked when it is loaded). Readers list
+parts that have a commit record only, so a writer killed at any moment leaves no visible part; its
+directory is an uncommitted leftover that the next writer of the part (or ``gc``) clears.
 """
 
 from __future__ import annotations

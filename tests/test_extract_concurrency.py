@@ -102,7 +102,7 @@ def _kill_in_commit(victim: subprocess.Popen, out: Path) -> str:
     deadline = time.time() + 600
     while time.time() < deadline and victim.poll() is None:
         for d in out.glob("buckets/*/u*"):
-            if not (d / "input_ids" / "zarr.json").exists() or (d / "commit.json").exists():
+            if not any(d.glob("g*/input_ids/zarr.json")) or (d / "commit.json").exists():  # (data: g<gen>/)
                 continue
             leases = sorted(d.glob("lease.*.json"))
             try:
