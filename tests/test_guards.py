@@ -235,3 +235,23 @@ def test_stop_message_names_the_optimizers_lr_and_no_resume_without_a_checkpoint
     assert "20 consecutive steps were skipped" in err and "no checkpoint was written yet" in err
     assert "resume" not in err.split("consecutive steps were skipped")[1]
     assert ("train.muon_lr" in err) == (optimizer == "muon") and "train.lr" in err
+
+
+def test_resume_in_the_middle_of_a_level_shift_is_bitwise(cache, tmp_path):
+    # the checkpoint at step 16 holds two skipped spikes of the shift that starts at step 14: a resume from it
+    # must re-baseline at the same step and train on with the same losses as the uninterrupted run
+    import shutil
+
+    straight = tmp_path / "straight"
+    sets = ("checkpoint.every_steps=4", "checkpoint.keep_last=20")
+    run_train(BASE, cache, straight, *sets, DFLASH_TEST_FAULTS=JUMP)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    for ckpt in (resumed / "checkpoints").iterdir():
+        if int(ckpt.name.split("-")[1]) > 16:
+            shutil.rmtree(ckpt)
+    proc = run_train(BASE, cache, resumed, *sets, DFLASH_TEST_FAULTS=JUMP)
+    assert "resumed from" in proc.stderr and "step-00000016" in proc.stderr
+    want = {r["step"]: (r["train/loss"], r["train/skipped"], r["train/guard_rebaselines"]) for r in read_metrics(straight)}
+    got = {r["step"]: (r["train/loss"], r["train/skipped"], r["train/guard_rebaselines"]) for r in read_metrics(resumed)}
+    assert got == want and want[30][2] == 1 and want[16][1] == 1
