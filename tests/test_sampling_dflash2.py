@@ -216,3 +216,32 @@ def test_dflash_train_refuses_a_distribution_loss_with_dflash2_or_a_logit_transf
     err = capsys.readouterr().err
     assert "train.loss" in err and "use train.loss = ce" in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_extract_distill_dflash2_then_sampled_live_eval_through_the_commands(tmp_path, capsys, monkeypatch):
+    """``dflash-extract`` -> ``dflash-train`` a DFlash2 drafter -> ``dflash-train eval --live --temperature 1``:
+    the selector's proposal verified by speculative sampling."""
+    import json
+    from pathlib import Path
+
+    from extract.cli import main as extract_main
+    from train.cli import main as train_main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    used = []
+    real = ev.selector_proposal
+    monkeypatch.setattr(ev, "selector_proposal", lambda *a: used.append(1) or real(*a))
+    cache_url, run = str(tmp_path / "cache"), tmp_path / "run"
+    sets = [a for s in ["data.path=builtin:tiny-chat?n=20", "extract.unit_size=32", "train.max_steps=2",
+                        "train.num_anchors=8", "loader.tokens_per_batch=1024", "loader.holdout_fraction=0.3",
+                        "checkpoint.every_steps=2", "eval.live_prompts=2", "eval.live_max_new_tokens=8",
+                        "metrics.progress_bar=false", "metrics.tensorboard=false", "model.arch=dflash2",
+                        "model.conv_group_size=16", "model.selector_top_k=8"] for a in ("--set", s)]
+    assert extract_main(["configs/tiny.toml", "--out", cache_url, "--no-progress", *sets]) == 0
+    assert train_main(["configs/tiny.toml", "--cache", cache_url, "--run-dir", str(run), *sets]) == 0
+    capsys.readouterr()
+    assert train_main(["eval", "configs/tiny.toml", "--cache", cache_url, "--checkpoint", str(run), "--live",
+                       "--temperature", "1.0", "--top-p", "0.9", "--seed", "4", "--json", *sets]) == 0
+    live = json.loads(capsys.readouterr().out)["live"]
+    assert live["lossless"] == "in distribution" and len(live["prompts"]) == 2
+    assert all(p["tau"] >= 1.0 for p in live["prompts"]) and used
