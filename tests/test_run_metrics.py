@@ -227,5 +227,5 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
     from dflash_cache.errors import ConfigError
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
-    with pytest.raises(ConfigError, match=r"pip install 'dflash-pipeline\[wandb\]'"):
+    with pytest.raises(ConfigError, match=r"pip install wandb .*pip install -e '\.\[wandb\]'.*metrics\.wandb = false"):
         MetricLogger(tmp_path, MetricsConfig(wandb=True))
