@@ -66,6 +66,7 @@ class DtypeProbe:
         self.seen.setdefault(place, set()).add(str(value).replace("torch.", ""))
 
     def __enter__(self) -> DtypeProbe:
+        import train.dflash2 as dflash2_mod  # imports head_operands by name: probed there too
         import train.model as model_mod
         import train.objective as objective_mod
 
@@ -93,9 +94,11 @@ class DtypeProbe:
             return h, w
 
         model_mod.attend, objective_mod.head_operands = probed_attend, probed_head_operands
+        dflash2_mod.head_operands = probed_head_operands
         self._undo = [*(h.remove for h in hooks),
                       lambda: setattr(model_mod, "attend", attend),
-                      lambda: setattr(objective_mod, "head_operands", head_operands)]
+                      lambda: setattr(objective_mod, "head_operands", head_operands),
+                      lambda: setattr(dflash2_mod, "head_operands", head_operands)]
         return self
 
     def __exit__(self, *exc: Any) -> None:

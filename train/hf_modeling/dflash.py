@@ -507,7 +507,8 @@ class DFlashCandidateSelector(nn.Module):
             scores = unary[:, row] + torch.einsum("br,bkr->bk", pred, succ)  # [B, K]
             if temperature > 0:
                 q = torch.softmax(scores / temperature, dim=-1)
-                j = torch.multinomial(q, 1, generator=generator)[:, 0]
+                on = q if generator is None or generator.device == q.device else q.cpu()  # spec_generate: CPU
+                j = torch.multinomial(on, 1, generator=generator)[:, 0].to(q.device)
                 dists.append(q)
             else:
                 j = scores.argmax(dim=-1)
@@ -549,7 +550,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         candidates). ``top_p`` / ``top_k`` shape the target's side only (lossless for any proposal)."""
         if temperature < 1e-5:
             return self.draft_tokens(hidden, anchor_ids, head), None
-        tokens, cand, dists = self.propose(hidden, anchor_ids, head, temperature, generator)  # (generator: on the
-        # drafter's device)
+        tokens, cand, dists = self.propose(hidden, anchor_ids, head, temperature, generator)  # any generator device
         q = torch.zeros(cand.shape[1], int(head.weight.shape[0])).scatter_(1, cand[0].cpu(), dists[0].float().cpu())
         return tokens, q
