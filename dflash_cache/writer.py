@@ -320,7 +320,8 @@ class PartWriter:
             with contextlib.suppress(OSError):
                 st.remove(seal_key(self.key, self._lease.gen))
             raise self._lost()
-        st.put(f"{self.key}/zarr.json", _PART_GROUP)  # the same bytes from every writer: a plain put is safe
+        # the same bytes from every writer: a plain put is safe; durable, as verify requires it of a commit
+        st.put(f"{self.key}/zarr.json", _PART_GROUP, durable=True)
         if not st.create_exclusive(f"{self.key}/{COMMIT}", record, durable=True):  # visible from here on
             raise self._lost()
         self._lease.release()

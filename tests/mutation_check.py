@@ -60,7 +60,7 @@ MUTANTS = [
                                        "        if False:\n"),),
            ("tests/test_cache_safety.py::test_verify_catches_a_valid_shard_copied_from_another_part",)),
     Mutant("commit-without-fsync", "commits are durable: the tree is fsynced before the commit record",
-           "dflash_cache/writer.py", (("        st.sync_tree(self.key)\n", ""),),
+           "dflash_cache/writer.py", (("        st.sync_tree(self.data_key)\n", ""),),
            ("tests/test_cache_safety.py::test_commit_makes_the_tree_durable_then_creates_the_record_exclusively",)),
     Mutant("commit-record-plain-put", "commits are exclusive: the commit record is created exclusively",
            "dflash_cache/writer.py", (('if not st.create_exclusive(f"{self.key}/{COMMIT}", record, durable=True):',
