@@ -58,7 +58,7 @@ MUTANTS = [
     Mutant("verify-skips-whole-array-checksum", "verify catches corruption, also a valid shard of another part",
            "dflash_cache/verify.py", (('        if value != part.arrays[name]["crc32c"]:\n',
                                        "        if False:\n"),),
-           ("tests/test_cache_safety.py::test_verify_catches_a_valid_shard_copied_from_another_part",)),
+           ("tests/test_cache_safety.py::test_verify_catches_a_shard_of_another_part_whose_index_is_the_same",)),
     Mutant("commit-without-fsync", "commits are durable: the tree is fsynced before the commit record",
            "dflash_cache/writer.py", (("        st.sync_tree(self.data_key)\n", ""),),
            ("tests/test_cache_safety.py::test_commit_makes_the_tree_durable_then_creates_the_record_exclusively",)),

@@ -173,6 +173,27 @@ def test_verify_catches_a_valid_shard_copied_from_another_part(tmp_path, monkeyp
     assert (err.value.part, err.value.array) == (a.key, "features")
 
 
+def test_verify_catches_a_shard_of_another_part_whose_index_is_the_same(tmp_path, monkeypatch):
+    """Uncompressed parts of equal length: the copied shard's index, and so the checksum the record binds,
+    is the same as the original's; only the whole-array checksum of the contents tells them apart."""
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    url = tmp_path / "c"
+    make_synthetic_cache(str(url), 24, lengths=[100] * 24, samples_per_part=8, bucket_edges=(64, 128),
+                         chunk_tokens=16, shard_tokens=64, seed=3, codec="bf16-raw")
+    parts = open_cache(str(url)).parts()
+    a, b = [p for p in parts if p.bucket == parts[0].bucket][:2]
+    assert a.arrays["features"]["shard_index_crc32c"] == b.arrays["features"]["shard_index_crc32c"]
+    shard_a, shard_b = (url / p.data_key / "features" / "c" / "0" / "0" for p in (a, b))
+    assert shard_a.read_bytes() != shard_b.read_bytes()
+    assert verify_cache(str(url)).ok
+    shutil.copyfile(shard_b, shard_a)
+    cache = open_cache(str(url))
+    cache.read_samples([int(cache.index().sample_ids[0])])  # the reader's checks pass: chunk and index checksums
+    with pytest.raises(CacheCorruptError, match="crc32c of the data differs") as err:
+        verify_cache(str(url))
+    assert (err.value.part, err.value.array) == (a.key, "features")
+
+
 # ------------------------------------------------------------------------------------------------
 # commit order
 # ------------------------------------------------------------------------------------------------
