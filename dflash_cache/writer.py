@@ -9,7 +9,8 @@ commit record names that generation, so a writer that lost its lease (frozen pas
 timeout, then resumed) writes only garbage that nothing reads (:mod:`dflash_cache.fence`).
 
 Durability protocol: data arrays are written (whole shards, then the small arrays at commit), every
-file under the part is fsynced (local filesystems), the generation is sealed for the commit, then
+file of the generation directory is fsynced with the directories that reach it (local filesystems),
+the generation is sealed for the commit, the part's group document is written, then
 ``commit.json`` is created last, atomically, exclusively and durably. The commit record also binds
 each shard to the part: the crc32c of every shard's chunk index (checked by readers whenever they
 open a shard, at no extra read) and of every small array (checked when it is loaded). Readers list
