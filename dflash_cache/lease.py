@@ -72,17 +72,15 @@ def _read_proc(path: str) -> str | None:
 def _host_name() -> str:
     """This host's name in lease records; ``DFLASH_HOST_ID`` overrides it (and makes this process count as
     another host: liveness by heartbeat only), e.g. to run two "nodes" on one machine."""
-    return os.environ.get("DFLASH_HOST_ID") or socket.gethostname()
+    return env_switch("DFLASH_HOST_ID") or socket.gethostname()
 
 
 def _pid_namespace() -> str:
     """``host/boot id/pid-namespace inode``: equal iff a pid recorded by the other process means the same
     process here."""
-    override = env_switch("DFLASH_TEST_LEASE_HOST")  # tests: act as another host (liveness by heartbeat)
-    if override:
-        return override
-    if os.environ.get("DFLASH_HOST_ID"):
-        return f"host-id:{os.environ['DFLASH_HOST_ID']}"
+    host_id = env_switch("DFLASH_HOST_ID")  # another "host" (two nodes on one machine): liveness by heartbeat
+    if host_id:
+        return f"host-id:{host_id}"
     try:
         ns = str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:

@@ -345,7 +345,14 @@ class LocalStorage(Storage):
                 finally:
                     os.close(fd)
             fsync_dir(Path(dirpath))
-        fsync_dir(base.parent)
+        # the directory entries that reach it, up to the root (a part's generation directory sits in the
+        # part's directory, which sits in its bucket's)
+        parent = base.parent
+        while True:
+            fsync_dir(parent)
+            if parent == self.root or self.root not in parent.parents:
+                break
+            parent = parent.parent
 
     def root_exists(self) -> bool:
         return self.root.exists()

@@ -386,38 +386,25 @@ def create_cache(url: str, spec: CacheSpec, chunk_tokens: int = 256, shard_token
         attrs = _root_attrs(storage)  # another process may have just finished creating it
         if attrs is None:
             raise NotACacheError(f"{url} is a non-empty directory without a cache in it; choose a new or empty path")
-    created = False
+    raced = False
     if attrs is None:
         root = {"format_version": FORMAT_VERSION, "spec": spec.to_dict(), "fingerprint": spec.fingerprint,
                 "layout": {"chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}}
-        # Create-if-absent: of several jobs starting at once, exactly one creates the cache; the others
-        # read what it wrote and are compared with it below, before they write anything.
-        created = storage.create_exclusive("zarr.json", _group_json({ATTR_KEY: root}), durable=True)
-        if not created:
-            attrs = _root_attrs(storage)
-    if attrs is not None:
-        cache = _cache_from_attrs(storage, attrs)
-        if cache.spec.fingerprint != spec.fingerprint:
-            fields = cache.spec.diff(spec)
-            raise SpecMismatchError(f"{url} was written with another spec: {describe_diff(cache.spec, spec)}. "
-                                    "Use a new cache path, or change the config to match", fields=fields)
-        _write_bucket_groups(storage, spec)  # (restores any a crash or a user removed)
-        return cache
-    root = {"format_version": FORMAT_VERSION, "spec": spec.to_dict(), "fingerprint": spec.fingerprint,
-            "layout": {"chunk_tokens": chunk_tokens, "shard_tokens": shard_tokens}}
-    # created exclusively: of two jobs creating one cache at once, one creates it and the other opens it
-    # (same spec: the same job) or is refused (another spec) before it writes anything
-    if not storage.create_exclusive("zarr.json", _group_json({ATTR_KEY: root}), durable=True):
+        # Create-if-absent: of several jobs starting at once, exactly one creates the cache; the others read
+        # what it wrote and open it (same spec: the same job) or are refused (another spec) before they write
+        # anything
+        if storage.create_exclusive("zarr.json", _group_json({ATTR_KEY: root}), durable=True):
+            _write_bucket_groups(storage, spec)
+            log.info("created cache %s (codec %s, fingerprint %s)", url, spec.codec, spec.fingerprint)
+            return FeatureCache(storage, spec, chunk_tokens, shard_tokens)
         attrs = _root_attrs(storage)
         if attrs is None:
             raise NotACacheError(f"{url}: zarr.json exists but cannot be read; choose a new or empty path")
-        cache = _cache_from_attrs(storage, attrs)
-        if cache.spec.fingerprint != spec.fingerprint:
-            raise SpecMismatchError(f"{url} was created by another job at the same moment, with another spec: "
-                                    f"{describe_diff(cache.spec, spec)}. Use a new cache path, or change the "
-                                    "config to match", fields=cache.spec.diff(spec))
-        _write_bucket_groups(storage, spec)
-        return cache
-    _write_bucket_groups(storage, spec)
-    log.info("created cache %s (codec %s, fingerprint %s)", url, spec.codec, spec.fingerprint)
+        raced = True
+    cache = _cache_from_attrs(storage, attrs)
+    if cache.spec.fingerprint != spec.fingerprint:
+        how = "was created by another job at the same moment, with" if raced else "was written with"
+        raise SpecMismatchError(f"{url} {how} another spec: {describe_diff(cache.spec, spec)}. Use a new cache "
+                                "path, or change the config to match", fields=cache.spec.diff(spec))
+    _write_bucket_groups(storage, spec)  # (restores any a crash or a user removed)
     return cache

@@ -9,7 +9,8 @@ commit record names that generation, so a writer that lost its lease (frozen pas
 timeout, then resumed) writes only garbage that nothing reads (:mod:`dflash_cache.fence`).
 
 Durability protocol: data arrays are written (whole shards, then the small arrays at commit), every
-file under the part is fsynced (local filesystems), the generation is sealed for the commit, then
+file of the generation directory is fsynced with the directories that reach it (local filesystems),
+the generation is sealed for the commit, the part's group document is written, then
 ``commit.json`` is created last, atomically, exclusively and durably. The commit record also binds
 each shard to the part: the crc32c of every shard's chunk index (checked by readers whenever they
 open a shard, at no extra read) and of every small array (checked when it is loaded). Readers list
@@ -320,7 +321,8 @@ class PartWriter:
             with contextlib.suppress(OSError):
                 st.remove(seal_key(self.key, self._lease.gen))
             raise self._lost()
-        st.put(f"{self.key}/zarr.json", _PART_GROUP)  # the same bytes from every writer: a plain put is safe
+        # the same bytes from every writer: a plain put is safe; durable, as verify requires it of a commit
+        st.put(f"{self.key}/zarr.json", _PART_GROUP, durable=True)
         if not st.create_exclusive(f"{self.key}/{COMMIT}", record, durable=True):  # visible from here on
             raise self._lost()
         self._lease.release()

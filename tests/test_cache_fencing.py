@@ -79,7 +79,7 @@ def _files(root: Path, key: str) -> dict[str, bytes]:
 
 def test_a_frozen_writer_on_another_host_cannot_touch_the_part_committed_meanwhile(cache_dir, tmp_path):
     go = tmp_path / "go"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_TEST_LEASE_HOST": "host-a", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_HOST_ID": "host-a", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", _LATE_WRITER, str(cache_dir), str(go)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -282,7 +282,9 @@ def test_info_json_has_exactly_the_documented_keys(cache_dir, capsys):
     assert cli_main(["info", str(cache_dir), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert set(info) == {"n_samples", "n_tokens", "bytes_per_token", "raw_bytes_per_token", "buckets", "codec",
-                         "target_layer_ids", "mask_token_id", "mask_token_source", "fingerprint", "uncommitted_parts"}
+                         "target_layer_ids", "mask_token_id", "mask_token_source", "fingerprint", "uncommitted_parts",
+                         "final_hidden"}
+    assert info["final_hidden"] is False  # (no final normed state stored: cache.store_final_hidden off)
     assert info["n_samples"] == 40 and info["n_tokens"] == sum(40 + 3 * i for i in range(40))
     assert info["raw_bytes_per_token"] == 2 * 3 * 64 and 0 < info["bytes_per_token"] < info["raw_bytes_per_token"]
     assert [(b["lo"], b["hi"], b["n_samples"]) for b in info["buckets"]] == [(0, 64, 9), (64, 128, 21), (128, 512, 10)]

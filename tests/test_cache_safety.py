@@ -158,13 +158,38 @@ def test_verify_catches_a_valid_shard_copied_from_another_part(tmp_path, monkeyp
                          bucket_edges=(64, 128), chunk_tokens=16, shard_tokens=64, seed=3)
     parts = open_cache(str(url)).parts()
     a, b = [p for p in parts if p.bucket == parts[0].bucket][:2]
-    shard_a, shard_b = (url / p.key / "features" / "c" / "0" / "0" for p in (a, b))
+    shard_a, shard_b = (url / p.data_key / "features" / "c" / "0" / "0" for p in (a, b))
     assert shard_a.read_bytes() != shard_b.read_bytes()
     assert verify_cache(str(url)).ok
     shutil.copyfile(shard_b, shard_a)  # a complete, self-consistent shard: only its contents are wrong
     cache = open_cache(str(url))
-    cache.read_samples([int(cache.index().sample_ids[0])])  # zarr reads it fine: its own checksums pass
-    with pytest.raises(CacheCorruptError, match="crc32c") as err:
+    # the shard's own checksums pass; the reader refuses it because the commit record binds each shard's
+    # index checksum, and verify names the part and array
+    with pytest.raises(CacheCorruptError, match="not the one its commit record names") as read_err:
+        cache.read_samples([int(cache.index().sample_ids[0])])
+    assert (read_err.value.part, read_err.value.array) == (a.key, "features")
+    with pytest.raises(CacheCorruptError, match="not the one its commit record names") as err:
+        verify_cache(str(url))
+    assert (err.value.part, err.value.array) == (a.key, "features")
+
+
+def test_verify_catches_a_shard_of_another_part_whose_index_is_the_same(tmp_path, monkeypatch):
+    """Uncompressed parts of equal length: the copied shard's index, and so the checksum the record binds,
+    is the same as the original's; only the whole-array checksum of the contents tells them apart."""
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    url = tmp_path / "c"
+    make_synthetic_cache(str(url), 24, lengths=[100] * 24, samples_per_part=8, bucket_edges=(64, 128),
+                         chunk_tokens=16, shard_tokens=64, seed=3, codec="bf16-raw")
+    parts = open_cache(str(url)).parts()
+    a, b = [p for p in parts if p.bucket == parts[0].bucket][:2]
+    assert a.arrays["features"]["shard_index_crc32c"] == b.arrays["features"]["shard_index_crc32c"]
+    shard_a, shard_b = (url / p.data_key / "features" / "c" / "0" / "0" for p in (a, b))
+    assert shard_a.read_bytes() != shard_b.read_bytes()
+    assert verify_cache(str(url)).ok
+    shutil.copyfile(shard_b, shard_a)
+    cache = open_cache(str(url))
+    cache.read_samples([int(cache.index().sample_ids[0])])  # the reader's checks pass: chunk and index checksums
+    with pytest.raises(CacheCorruptError, match="crc32c of the data differs") as err:
         verify_cache(str(url))
     assert (err.value.part, err.value.array) == (a.key, "features")
 
@@ -222,10 +247,18 @@ def test_commit_makes_the_tree_durable_then_creates_the_record_exclusively(tmp_p
     created = [i for i, e in enumerate(events) if e[:2] == ("create_exclusive", commit_key)]
     assert len(created) == 1 and events[created[0]][2] is True, events[-5:]
     before = events[:created[0]]
-    assert ("sync_tree", "buckets/1/recorded") in before
+    # the fenced protocol: the generation's data made durable, then the generation sealed for the commit
+    # (durably), then the record that names the generation
+    gen_key = "buckets/1/recorded/g000001"
+    seal = f"{gen_key}.seal"
+    assert ("sync_tree", gen_key) in before, before[-6:]
+    sealed = [i for i, e in enumerate(before) if e[:2] == ("create_exclusive", seal)]
+    assert len(sealed) == 1 and before[sealed[0]][2] is True, before[-6:]
+    assert before.index(("sync_tree", gen_key)) < sealed[0]
     synced = {e[1] for e in before if e[0] == "fsync"}
-    data_files = {str(p) for p in part.rglob("*") if p.is_file() and p.name != COMMIT
-                  and not p.name.startswith("lease.")}
+    # the part's group document, written whole before the record: durable too (verify requires it)
+    assert ("put", "buckets/1/recorded/zarr.json", True) in before
+    data_files = {str(p) for p in (url / gen_key).rglob("*") if p.is_file()}
     assert data_files and data_files <= synced, sorted(data_files - synced)
     # every directory of the part, and the part's entry in its bucket, too
     dirs = {str(p) for p in part.rglob("*") if p.is_dir()} | {str(part), str(part.parent)}

@@ -125,7 +125,7 @@ def test_commit_scan_and_verify_overlap_their_requests_and_agree_with_local(tmp_
         assert [(p.key, p.n_samples, p.n_tokens) for p in remote] == [(p.key, p.n_samples, p.n_tokens) for p in local]
         assert latency_fs.counters()["max_in_flight"] > 1  # commit records read concurrently
         # damage one part: the parallel verify reports exactly what a one-thread verify reports
-        shard = sorted(Path(path).glob("buckets/*/*/features/c/0/0"))[0]
+        shard = sorted(Path(path).glob("buckets/*/*/g*/features/c/0/0"))[0]
         raw = bytearray(shard.read_bytes())
         raw[100] ^= 0xFF
         shard.write_bytes(bytes(raw))

@@ -23,11 +23,11 @@ SWITCHES: dict[str, str] = {
                                   "benchmarks, or a numcodecs build where the latter misbehaves).",
     "DFLASH_CACHE_CRC": "`google` forces the `google-crc32c` checksum library even when the faster "
                         "`crc32c` package (the `fast` extra) is installed. Both compute the same values.",
+    "DFLASH_HOST_ID": "This process's host identity in part leases (default: the hostname). Processes with "
+                      "another identity count as another host: their leases are alive by heartbeat, not by "
+                      "pid (e.g. two nodes on one machine, or tests). `dflash-cache release --host` names it.",
     "DFLASH_TEST_CKPT_WRITE_DELAY_S": "Test hook: seconds the checkpoint writer sleeps after each file, to "
                                       "widen the window in which a kill lands mid-save. Never set in production.",
-    "DFLASH_TEST_LEASE_HOST": "Test hook: the host identity that part leases record for this process, so two "
-                              "processes on one machine act as two hosts (liveness by heartbeat, not by pid). "
-                              "Never set in production.",
     "DFLASH_TEST_EVAL_DELAY_S": "Test hook: seconds each periodic held-out evaluation of `dflash-train` sleeps "
                                 "(counted in `eval/seconds`), so a kill can be aimed at it. Never set in production.",
     "DFLASH_TEST_FAULTS": "Test and drill hook: a JSON object `{\"nan_steps\": [...], \"spike_steps\": [...], "
