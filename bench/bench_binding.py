@@ -28,8 +28,8 @@ import numpy as np
 import dflash_cache.reader as reader_mod
 from dflash_cache import open_cache
 from dflash_cache.codecs import crc32c
-from dflash_cache.runtime.schema import LoaderConfig
 from dflash_cache.synthetic import make_synthetic_cache, synthetic_lengths
+from train.config import LoaderConfig
 from train.loader import StreamingLoader
 
 _BOUND = reader_mod.layouts_for

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.runtime.schema import CheckpointConfig
 from train.checkpoint import Checkpointer, Snapshot, _Snapshotter, write_checkpoint
+from train.config import CheckpointConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -42,9 +42,9 @@ import torch
 from dflash_cache import create_cache, open_cache
 from dflash_cache.index import CacheIndex
 from dflash_cache.parts import PartInfo
-from dflash_cache.runtime.schema import LoaderConfig
 from dflash_cache.spec import CacheSpec, TeacherInfo
 from dflash_cache.synthetic import synthetic_lengths
+from train.config import LoaderConfig
 from train.loader import StreamingLoader, select_parts
 from train.plan import Planner, PlanSettings
 

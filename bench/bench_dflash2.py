@@ -25,9 +25,9 @@ import torch
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
 from train.build import LossModule, build_optimizer, build_scheduler, build_selector_loss
+from train.config import GuardsConfig, TrainConfig
 from train.estimate import estimate_run
 from train.evaluate import propose
 from train.guards import SpikeGuard

@@ -32,11 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_cache.runtime.dist import Distributed  # noqa: E402
-from dflash_cache.runtime.schema import GuardsConfig, TrainConfig  # noqa: E402
 from dflash_cache.spec import CODECS  # noqa: E402
 from dflash_cache.synthetic import make_synthetic_cache  # noqa: E402
 from train.batch import Batch  # noqa: E402
 from train.build import LossModule, build_optimizer, build_scheduler  # noqa: E402
+from train.config import GuardsConfig, TrainConfig  # noqa: E402
 from train.distill import DistributionLoss  # noqa: E402
 from train.guards import SpikeGuard  # noqa: E402
 from train.memory import peak_memory_bytes  # noqa: E402

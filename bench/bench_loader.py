@@ -28,9 +28,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dflash_cache import create_cache, open_cache
-from dflash_cache.runtime.schema import LoaderConfig
 from dflash_cache.synthetic import make_synthetic_cache, synthetic_lengths
 from train.assemble import collate
+from train.config import LoaderConfig
 from train.loader import StreamingLoader
 from train.plan import PlanSettings, build_plan
 

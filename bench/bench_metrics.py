@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_cache.runtime.schema import MetricsConfig
+from train.config import MetricsConfig
 from train.metrics import MetricLogger
 
 RESULTS = Path(__file__).resolve().parent / "results"

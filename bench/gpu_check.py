@@ -49,7 +49,6 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_cache.runtime.config import load_config  # noqa: E402
 from dflash_cache.runtime.dist import Distributed  # noqa: E402
-from dflash_cache.runtime.schema import GuardsConfig  # noqa: E402
 from train.batch import Batch  # noqa: E402
 from train.build import (  # noqa: E402
     LossModule,
@@ -58,6 +57,7 @@ from train.build import (  # noqa: E402
     build_scheduler,
     build_selector_loss,
 )
+from train.config import GuardsConfig  # noqa: E402
 from train.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu  # noqa: E402
 from train.estimate import (  # noqa: E402
     DrafterShape,

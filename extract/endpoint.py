@@ -37,9 +37,10 @@ from urllib.parse import urlsplit
 from tqdm import tqdm
 
 from dflash_cache.errors import DFlashError
-from dflash_cache.runtime.schema import PipelineConfig, RegenerateConfig
+from dflash_cache.runtime.schema import PipelineConfig
 
 from .answer_log import AnswerLog
+from .config import RegenerateConfig
 from .regenerate import TurnCursor, load_prompts, output_record, reply_message
 from .run import template_options
 from .template import TemplateOptions

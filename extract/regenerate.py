@@ -27,10 +27,11 @@ from tqdm import tqdm
 
 from dflash_cache.errors import DataError
 from dflash_cache.runtime.entry import command_parser
-from dflash_cache.runtime.schema import PipelineConfig, RegenerateConfig
+from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .answer_log import OutputLock
+from .config import RegenerateConfig
 from .data import LoadedData, Record, load_records
 from .run import load_run_config, template_options
 from .teacher import load_teacher, teacher_device

@@ -36,11 +36,12 @@ from dflash_cache.runtime.config import config_to_dict, load_config
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.log import process_rank
-from dflash_cache.runtime.schema import ExtractConfig, PipelineConfig
+from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
 from dflash_cache.storage import storage_error
 
 from .batching import Batch, collate, plan_batches
+from .config import ExtractConfig
 from .data import Record, load_records
 from .progress import ExtractProgress, human_bytes
 from .teacher import (

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_cache.config import CacheConfig
 from dflash_cache.errors import ConfigError
 from dflash_cache.runtime.dist import launcher_env
 from dflash_cache.runtime.log import process_rank
-from dflash_cache.runtime.schema import CacheConfig, TeacherConfig
 
+from .config import TeacherConfig
 from .tiny import BUILTIN_TEACHERS, resolve_tiny_teacher
 
 log = logging.getLogger(__name__)

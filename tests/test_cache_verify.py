@@ -14,8 +14,8 @@ import pytest
 from dflash_cache import open_cache, verify_cache
 from dflash_cache.cli import main as cache_main
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.runtime.schema import LoaderConfig
 from extract.cli import main as extract_main
+from train.config import LoaderConfig
 from train.loader import StreamingLoader
 
 ROOT = Path(__file__).resolve().parents[1]

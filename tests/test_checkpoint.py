@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cache.runtime.schema import CheckpointConfig
 from train.checkpoint import (
     MANIFEST_FILE,
     Checkpointer,
@@ -20,6 +19,7 @@ from train.checkpoint import (
     read_checkpoint_model,
     validate_checkpoint,
 )
+from train.config import CheckpointConfig
 
 
 def _model_and_opt(seed: int = 0):

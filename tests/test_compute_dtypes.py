@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
 from train.build import LossModule, build_optimizer, build_scheduler
+from train.config import GuardsConfig, TrainConfig
 from train.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu
 from train.guards import SpikeGuard
 from train.model import DFlashConfig, DFlashDrafter, RMSNorm

@@ -12,10 +12,10 @@ import torch
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
 from train.build import LossModule, build_optimizer, build_scheduler
 from train.cli import main as train_cli_main
+from train.config import GuardsConfig, TrainConfig
 from train.distill import DistributionLoss, distill_loss
 from train.estimate import DrafterShape, Precision, StepShape, memory_estimate, with_distribution_loss
 from train.guards import SpikeGuard

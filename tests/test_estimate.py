@@ -14,10 +14,10 @@ import torch
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
 from train.build import LossModule, build_optimizer, build_scheduler
 from train.cli import main as train_cli_main
+from train.config import GuardsConfig, TrainConfig
 from train.dtypes import cuda_autocast_rules_on_cpu
 from train.estimate import (
     DrafterShape,

@@ -12,9 +12,9 @@ from test_estimate import ROOT, _batch, _estimate, _nbytes
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import GuardsConfig, ModelConfig, TrainConfig
 from train.batch import Batch
 from train.build import LossModule, build_optimizer, build_scheduler, build_selector_loss
+from train.config import GuardsConfig, ModelConfig, TrainConfig
 from train.dflash2 import DFlash2Drafter, SelectorLoss, dflash2_loss
 from train.estimate import (
     DrafterShape,

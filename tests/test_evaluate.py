@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from dflash_cache.runtime.config import config_to_dict
-from dflash_cache.runtime.schema import CheckpointConfig, ModelConfig, PipelineConfig, TeacherConfig
+from dflash_cache.runtime.schema import PipelineConfig
+from extract.config import TeacherConfig
 from train.checkpoint import Checkpointer
+from train.config import CheckpointConfig, ModelConfig
 from train.evaluate import (
     _sample_batch,
     cli_main,

@@ -14,8 +14,9 @@ from safetensors import safe_open
 
 from dflash_cache.errors import ConfigError, SpecMismatchError
 from dflash_cache.runtime.config import config_to_dict
-from dflash_cache.runtime.schema import CheckpointConfig, ModelConfig, PipelineConfig
+from dflash_cache.runtime.schema import PipelineConfig
 from train.checkpoint import Checkpointer
+from train.config import CheckpointConfig, ModelConfig
 from train.export import cli_main, config_for, expected_shapes, load_weights, resolve_checkpoint
 from train.model import DFlashConfig, build_drafter, load_drafter_dir
 from train.objective import dflash_loss

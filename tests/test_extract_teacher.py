@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_cache.config import CacheConfig
 from dflash_cache.errors import ConfigError
-from dflash_cache.runtime.schema import CacheConfig
 from extract.teacher import (
     LayerCapture,
     capture_features,

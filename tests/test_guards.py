@@ -9,7 +9,7 @@ import random
 import pytest
 from fixtures.trainer import run_train, small_cache
 
-from dflash_cache.runtime.schema import GuardsConfig
+from train.config import GuardsConfig
 from train.guards import SpikeGuard, robust_z
 from train.metrics import read_metrics
 

@@ -17,8 +17,8 @@ import torch
 
 from dflash_cache import create_cache, open_cache
 from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
-from dflash_cache.runtime.schema import LoaderConfig
 from dflash_cache.synthetic import make_synthetic_cache
+from train.config import LoaderConfig
 from train.loader import StreamingLoader
 from train.plan import holdout_mask, plan_from_index
 

@@ -12,13 +12,13 @@ import pytest
 
 from dflash_cache.cli import main as cache_main
 from dflash_cache.errors import ConfigError, SpecMismatchError
-from dflash_cache.runtime.schema import ModelConfig
 from dflash_cache.spec import CacheSpec, TeacherInfo
 from dflash_cache.store import open_cache
 from extract.cli import main as extract_main
 from extract.teacher import resolve_mask_token
 from extract.tiny import TINY_MASK_TOKEN_ID
 from train.cli import main as train_main
+from train.config import ModelConfig
 from train.export import load_weights
 from train.model import resolve_mask_token_id
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dflash_cache.runtime.schema import MetricsConfig
+from train.config import MetricsConfig
 from train.metrics import METRICS_FILE, MetricLogger, read_metrics
 
 

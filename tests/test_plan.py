@@ -232,7 +232,7 @@ def test_plan_equals_the_plan_built_again(packing: bool) -> None:
 def test_plan_from_index_is_the_plan_of_the_loader_settings() -> None:
     from types import SimpleNamespace
 
-    from dflash_cache.runtime.schema import LoaderConfig
+    from train.config import LoaderConfig
 
     ids, lengths, buckets = _index(2000)
     cfg = LoaderConfig(tokens_per_batch=8192, max_block_positions=32768, holdout_fraction=0.05)

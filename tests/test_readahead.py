@@ -13,8 +13,8 @@ import torch
 import dflash_cache.latency_fs as latency_fs
 from dflash_cache import open_cache
 from dflash_cache.readahead import coalesce
-from dflash_cache.runtime.schema import LoaderConfig
 from dflash_cache.synthetic import make_synthetic_cache
+from train.config import LoaderConfig
 from train.loader import StreamingLoader
 
 N = 400

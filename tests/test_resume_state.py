@@ -112,7 +112,7 @@ def test_resume_restores_every_piece_of_saved_state(tmp_path):
 
 _SAVER = textwrap.dedent("""
     import os, sys, torch
-    from dflash_cache.runtime.schema import CheckpointConfig
+    from train.config import CheckpointConfig
     from train.checkpoint import WRITE_DELAY_ENV, Checkpointer
     ck = Checkpointer(sys.argv[1], CheckpointConfig(keep_last=3))
     ck.save(1, {"w": torch.ones(4)}, {"step": 1})

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from fixtures.trainer import ROOT, run_train, small_cache, train_cmd, train_env
 
-from dflash_cache.runtime.schema import MetricsConfig
+from train.config import MetricsConfig
 from train.metrics import MetricLogger, read_metrics
 from train.report import analyze, format_report
 

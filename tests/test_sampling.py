@@ -12,7 +12,7 @@ import torch
 
 import train.evaluate as ev
 from dflash_cache.errors import ConfigError
-from dflash_cache.runtime.schema import TeacherConfig
+from extract.config import TeacherConfig
 from train.sampling import RejectionSampler, SamplingParams, warp
 
 DRAWS = 2000

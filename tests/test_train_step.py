@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import GuardsConfig, TrainConfig
 from train.batch import Batch
 from train.build import LossModule, build_loss_module, build_optimizer, build_scheduler, lr_lambda
+from train.config import GuardsConfig, TrainConfig
 from train.estimate import DrafterShape, optimizer_state_bytes
 from train.guards import SpikeGuard
 from train.model import DFlashConfig, DFlashDrafter

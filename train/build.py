@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from dflash_cache.errors import DFlashError
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import LoaderConfig, ModelConfig, TrainConfig
+from train.config import LoaderConfig, ModelConfig, TrainConfig
 
 from .batch import Batch
 from .distill import DistributionLoss, distill_loss

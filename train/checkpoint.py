@@ -39,9 +39,9 @@ from safetensors.torch import save as st_save
 
 from dflash_cache.codecs import crc32c
 from dflash_cache.errors import DFlashError
-from dflash_cache.runtime.schema import CheckpointConfig
 from dflash_cache.runtime.switches import env_switch
 from dflash_cache.storage import fsync_dir
+from train.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 

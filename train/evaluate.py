@@ -35,8 +35,9 @@ import torch
 from torch import Tensor
 
 from dflash_cache.errors import CacheCorruptError, ConfigError, DFlashError
-from dflash_cache.runtime.schema import EvalConfig, TeacherConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
+from extract.config import TeacherConfig
+from train.config import EvalConfig
 
 from .attention import BlockLayout
 from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks

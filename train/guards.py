@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_cache.errors import DFlashError
-from dflash_cache.runtime.schema import GuardsConfig
+from train.config import GuardsConfig
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution * 1.4826 = its standard deviation
 

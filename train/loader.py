@@ -49,7 +49,7 @@ import torch
 
 from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
 from dflash_cache.readahead import ReadAhead, ReadAheadSettings, ReadCounters
-from dflash_cache.runtime.schema import LoaderConfig
+from train.config import LoaderConfig
 
 from .assemble import BatchAssembler, ReadFn, SampleTable, batch_nbytes
 from .batch import Batch, BatchBufferPool, padded_nbytes

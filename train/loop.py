@@ -27,9 +27,10 @@ from torch import nn
 
 from dflash_cache.runtime.config import config_to_dict
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import MetricsConfig, PipelineConfig
+from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.runtime.switches import env_switch
 from dflash_cache.runtime.threads import budget_cpu_threads
+from train.config import MetricsConfig
 
 from .batch import Batch
 from .build import (

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash_cache.errors import ConfigError
-from dflash_cache.runtime.schema import MetricsConfig
+from train.config import MetricsConfig
 
 from .rundir import RunDirError, write_error
 

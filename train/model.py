@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_cache.errors import ConfigError, SpecMismatchError
-from dflash_cache.runtime.schema import ModelConfig
+from train.config import ModelConfig
 
 from .attention import AttentionBackend, BlockLayout, WithinBlock, attend, resolve_backend
 

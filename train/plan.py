@@ -52,7 +52,7 @@ import numpy as np
 from dflash_cache.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from dflash_cache.runtime.schema import LoaderConfig
+    from train.config import LoaderConfig
 
 PLAN_VERSION = 2
 _MASK64 = (1 << 64) - 1

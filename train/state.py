@@ -12,7 +12,7 @@ from typing import Any
 
 from dflash_cache.errors import ConfigError, DFlashError, SpecMismatchError
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import CheckpointConfig
+from train.config import CheckpointConfig
 
 from .checkpoint import Checkpointer, CheckpointError, LoadedCheckpoint, list_checkpoints
 from .guards import SpikeGuard

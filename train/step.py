@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from dflash_cache.errors import ConfigError
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.schema import TrainConfig
 from dflash_cache.runtime.switches import env_switch
+from train.config import TrainConfig
 
 from .batch import Batch
 from .build import autocast_context

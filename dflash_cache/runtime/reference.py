@@ -1,7 +1,9 @@
 """The config reference page, ``docs/config.md``, generated from the schema.
 
-Every field's description is its docstring in :mod:`dflash_cache.runtime.schema`; its type, bounds and
-default come from the schema itself, so the page cannot drift from what the commands accept. Defaults
+The page walks the composed schema (:class:`dflash_cache.runtime.schema.PipelineConfig`) section by
+section; every field's description is its docstring in the module of the stage that owns the section
+(``train/config.py``, ``extract/config.py``, ``dflash_cache/config.py``); its type, bounds and default come
+from the schema itself, so the page cannot drift from what the commands accept. Defaults
 are written as TOML values, the form ``--set key=value`` and the presets take.
 
 ``python -m dflash_cache.runtime.reference`` (``make docs``) rewrites the page; ``--check`` exits 1 when
@@ -22,7 +24,8 @@ from typing import Any, Literal
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from .schema import PipelineConfig, Section
+from .schema import PipelineConfig
+from .section import Section
 from .switches import SWITCHES
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -30,10 +33,12 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 INTRO = """\
 # Config reference
 
-<!-- Generated from dflash_cache/runtime/schema.py by `make docs` (python -m dflash_cache.runtime.reference).
-     Edit the field docstrings in the schema, not this page: tests/test_config_reference.py fails when they differ. -->
+<!-- Generated from the schema by `make docs` (python -m dflash_cache.runtime.reference).
+     Edit the field docstrings in each section's module (named under its heading), not this page:
+     tests/test_config_reference.py fails when they differ. -->
 
-One schema for every command (`dflash_cache/runtime/schema.py`). A preset (`configs/*.toml`) is a TOML
+One schema for every command (`dflash_cache/runtime/schema.py`), composed from the sections each stage
+declares: `extract/config.py`, `dflash_cache/config.py` and `train/config.py`. A preset (`configs/*.toml`) is a TOML
 file with the sections below; every key is optional and takes the default shown. Unknown keys are
 errors, and every problem is reported at once with its dotted path. `--set KEY=VALUE` (repeatable)
 overrides one key with a TOML value and is validated the same way:
@@ -48,6 +53,11 @@ with spaces for the shell (`--set "cache.bucket_edges=[128, 320]"`). *unset* mea
 (it is left out of the preset); its description says what happens then. The resolved config is written
 into the cache (`CACHE/meta/config.json`), the run dir (`RUN/config.json`) and every checkpoint.
 """
+
+
+def source_file(cls: type[Section]) -> str:
+    """The file that declares a section, e.g. ``train/config.py``."""
+    return cls.__module__.replace(".", "/") + ".py"
 
 
 def sections() -> Iterator[tuple[str, type[Section]]]:
@@ -111,7 +121,7 @@ def render() -> str:
     out.append("Sections: " + ", ".join(f"[`[{name}]`](#{name})" for name, _ in sections()) + ".\n")
     for name, cls in sections():
         out.append(f"## {name}\n")
-        out.append(_cell(cls.__doc__ or "") + "\n")
+        out.append(_cell(cls.__doc__ or "") + f" Declared in `{source_file(cls)}`.\n")
         out.append("| key | type | default | meaning |")
         out.append("|---|---|---|---|")
         for key, field in cls.model_fields.items():
