@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache.runtime.config import load_config  # noqa: E402
 from extract.batching import collate, plan_batches  # noqa: E402
-from extract.run import run_extraction  # noqa: E402
+from extract.loop import run_extraction  # noqa: E402
 from extract.teacher import capture_features, load_teacher  # noqa: E402
 from extract.tiny import build_tiny_teacher  # noqa: E402
 
@@ -55,7 +55,7 @@ def write_data(path: Path, n: int, seed: int = 0) -> Path:
 def bare_forward_s(cfg, layer_ids: list[int]) -> tuple[float, int, int]:
     """Time the capture forward alone over the batches the extraction plans (same planner)."""
     from extract.data import load_records
-    from extract.run import sample_rules
+    from extract.run_config import sample_rules
 
     model, tok = load_teacher(cfg.teacher)
     data = load_records(cfg.data.path)

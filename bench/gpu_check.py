@@ -378,8 +378,8 @@ def extract_teacher(check: Check) -> dict[str, Any]:
     from bench_extract import bare_forward_s, write_data
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    import extract.run as run_mod
-    from extract.run import run_extraction
+    import extract.loop as run_mod
+    from extract.loop import run_extraction
     from extract.teacher import default_layer_ids
     from extract.tiny import build_tiny_teacher
 

@@ -6,7 +6,7 @@ What a run guarantees:
 - The server is asked for the teacher: the served model (``GET /v1/models``) must be ``teacher.path``
   (or end with its last path component) unless ``regenerate.served_model`` names it explicitly.
 - One conversation is one worker at a time; its replies are asked in order, each request carrying the
-  regenerated history (``extract.regenerate.TurnCursor``, as in-process), so up to
+  regenerated history (``extract.turns.TurnCursor``, as in-process), so up to
   ``regenerate.max_concurrency`` requests are in flight.
 - A request is retried after 429, 5xx, a timeout or a lost connection, up to ``max_retries`` times, waiting
   ``retry_backoff_s`` doubled each time (capped at 60 s; a server's ``Retry-After`` is honoured within that
@@ -41,9 +41,9 @@ from dflash_cache.runtime.schema import PipelineConfig
 
 from .answer_log import AnswerLog
 from .config import RegenerateConfig
-from .regenerate import TurnCursor, load_prompts, output_record, reply_message
-from .run import template_options
+from .run_config import template_options
 from .template import TemplateOptions
+from .turns import TurnCursor, load_prompts, output_record, reply_message
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dflash_cache.runtime.schema import PipelineConfig
 
 from .data import load_records
 from .progress import human_bytes
-from .run import load_run_config, sample_rules
+from .run_config import load_run_config, sample_rules
 from .teacher import (
     kernel_hint,
     load_teacher_config,
@@ -107,7 +107,7 @@ def estimate(cfg: PipelineConfig, tokens_per_s: float = DEFAULT_TOKENS_PER_S,
     tokenizer = load_tokenizer(cfg.teacher)
     text_cfg = load_teacher_config(cfg.teacher)
     layer_ids = resolve_layer_ids(cfg.cache, int(text_cfg.num_hidden_layers))
-    mask_token = resolve_mask_token(cfg.model.mask_token_id, tokenizer, int(text_cfg.vocab_size))
+    mask_token = resolve_mask_token(cfg.mask_token_id, tokenizer, int(text_cfg.vocab_size))
     data = load_records(cfg.data.path, cfg.data.skip_bad)
     if any(not r.pretokenized for r in data.records):
         check_chat_template(tokenizer)

@@ -214,7 +214,7 @@ def test_regenerate_then_extract_and_estimate(tiny_teacher_dir, tmp_path, capsys
 
 @pytest.mark.parametrize("policy", ["skip", "error"])
 def test_nonfinite_features_are_caught_at_write_time(tiny_teacher_dir, tmp_path, monkeypatch, capsys, policy):
-    import extract.run as run_mod
+    import extract.loop as run_mod
 
     real = run_mod.capture_features
     poisoned = []

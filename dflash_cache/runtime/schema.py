@@ -14,6 +14,10 @@ neither stage"). It lives here because both commands load the same config and ``
 ``train``: the composer must sit below both stages, and the layout has no package between them but the
 shared runtime. The exception stays harmless because the stages' config modules are pydantic-only (no torch,
 no stage code; tested): importing the schema loads no stage.
+
+No component reads another stage's section (``tests/test_config_layout.py`` scans for it). The few values a
+stage takes from another's section are resolved here, as properties of the composed config with the reason
+beside each, so that the dependency is named in one place rather than buried in a component.
 """
 
 from __future__ import annotations
@@ -68,3 +72,24 @@ class PipelineConfig(Section):
         if errors:
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
+
+    # -- values one stage takes from another's section ------------------------------------------------------
+
+    @property
+    def min_loss_tokens(self) -> int:
+        """Extraction's floor of loss tokens per sample: ``data.min_loss_tokens``, or two drafter blocks
+        (2 x ``model.block_size``) when unset, since a sample shorter than that trains no full block."""
+        return self.data.min_loss_tokens or 2 * self.model.block_size
+
+    @property
+    def mask_token_id(self) -> int | None:
+        """The drafter's block-filler id (``model.mask_token_id``) that extraction records in the cache's spec
+        (unset: the teacher tokenizer's); training then reads the cache's."""
+        return self.model.mask_token_id
+
+    @property
+    def cpu_worker_threads(self) -> int:
+        """Threads kept off torch's CPU compute by every command that runs a model on CPU: training's reader
+        threads (``loader.num_readers``), so that regeneration and evaluation compute with training's thread
+        budget."""
+        return self.loader.num_readers
