@@ -28,6 +28,7 @@ import torch
 from dflash_cache.errors import CacheError, DataError
 from dflash_cache.lease import LEASE_TIMEOUT_S, Holder, LeaseHeldError, PartCommittedError, PartLease, acquire
 from dflash_cache.parts import part_key
+from dflash_cache.protocols import WritableCache
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
@@ -152,7 +153,7 @@ class UnitRunner:
     """Tokenizes, leases, batches, runs the teacher on and writes one work unit at a time."""
 
     def __init__(self, extract_cfg: ExtractConfig, rules: SampleRules, store_target_argmax: bool, model: Any,
-                 tokenizer: Any, cache: Any, layer_ids: list[int], writer: BackgroundWriter,
+                 tokenizer: Any, cache: WritableCache, layer_ids: list[int], writer: BackgroundWriter,
                  progress: ExtractProgress, report: ExtractReport):
         self.extract_cfg, self.rules, self.store_target_argmax = extract_cfg, rules, store_target_argmax
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
@@ -369,7 +370,7 @@ def wait_for_others(runner: UnitRunner, deferred: dict[int, PreparedUnit]) -> No
             log.info("waiting for %d unit(s) being written by other processes: %s", len(deferred), held)
 
 
-def _finish(ctx: Distributed, cache: Any, report: ExtractReport) -> ExtractReport:
+def _finish(ctx: Distributed, cache: WritableCache, report: ExtractReport) -> ExtractReport:
     own_wall, own_fwd, own_loop = report.wall_s, report.forward_s, report.loop_s
     total = ctx.sum_counts(report.counts())
     for k, v in total.items():

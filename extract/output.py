@@ -10,6 +10,8 @@ from typing import Any
 
 from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
 from dflash_cache.errors import CacheError
+from dflash_cache.parts import PartInfo
+from dflash_cache.protocols import CacheView, WritableCache
 from dflash_cache.runtime.config import config_to_dict
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import PipelineConfig
@@ -60,7 +62,7 @@ def content_settings(cfg: PipelineConfig) -> dict[str, Any]:
     }
 
 
-def save_head(cache: Any, model: Any) -> None:
+def save_head(cache: WritableCache, model: Any) -> None:
     embed = model.get_input_embeddings().weight.detach().cpu()  # [V, H]
     head = model.get_output_embeddings().weight.detach().cpu()  # [V, H]
     tied = head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
@@ -85,7 +87,7 @@ def cache_exists(url: str) -> bool:
 
 
 def open_output(ctx: Distributed, url: str, spec: CacheSpec, cfg: PipelineConfig, model: Any,
-                check: Any = None) -> Any:
+                check: Any = None) -> WritableCache:
     """Rank 0 creates (or re-opens) the cache, writes metadata and the head. ``check()`` runs on every
     rank first when the cache does not exist yet (so bad data is refused before there is a cache)."""
     if check is not None and not cache_exists(url):
@@ -107,7 +109,7 @@ def open_output(ctx: Distributed, url: str, spec: CacheSpec, cfg: PipelineConfig
     return cache
 
 
-def committed_units(cache: Any) -> dict[int, set[int]]:
+def committed_units(cache: CacheView) -> dict[int, set[int]]:
     """``unit -> committed buckets`` for units with every part committed (complete) or some (partial)."""
     out: dict[int, set[int]] = {}
     for p in cache.parts():
@@ -116,7 +118,7 @@ def committed_units(cache: Any) -> dict[int, set[int]]:
     return out
 
 
-def complete_units(cache: Any) -> set[int]:
+def complete_units(cache: CacheView) -> set[int]:
     expected: dict[int, int] = {}
     for p in cache.parts():
         if "unit" in p.meta:
@@ -125,13 +127,13 @@ def complete_units(cache: Any) -> set[int]:
     return {u for u, n in expected.items() if len(done[u]) == n}
 
 
-def check_units(cache: Any, units: Sequence[int], empty: set[int]) -> tuple[int, int, list[str]]:
+def check_units(cache: CacheView, units: Sequence[int], empty: set[int]) -> tuple[int, int, list[str]]:
     """Re-check ``units`` against the commit records: ``(complete units, their samples, problems)``.
 
     A unit is complete when every part its records name is committed and the parts hold the samples
     its records count (non-finite skips included); ``empty`` units kept no sample (nothing to write).
     """
-    by_unit: dict[int, list[Any]] = {}
+    by_unit: dict[int, list[PartInfo]] = {}
     for p in cache.parts():
         if "unit" in p.meta:
             by_unit.setdefault(int(p.meta["unit"]), []).append(p)

@@ -20,6 +20,9 @@ from typing import Any
 import torch
 
 from dflash_cache.errors import DataError
+from dflash_cache.lease import PartLease
+from dflash_cache.parts import PartInfo
+from dflash_cache.protocols import PartSink, WritableCache
 from dflash_cache.storage import storage_error
 
 log = logging.getLogger(__name__)
@@ -58,8 +61,8 @@ class WriteStats:
 class BackgroundWriter:
     """Writer threads that own the open parts of this process."""
 
-    def __init__(self, cache: Any, n_threads: int, max_inflight_bytes: int, on_nonfinite: str,
-                 on_commit: Callable[[Any], None] | None = None):
+    def __init__(self, cache: WritableCache, n_threads: int, max_inflight_bytes: int, on_nonfinite: str,
+                 on_commit: Callable[[PartInfo], None] | None = None):
         self.cache = cache
         self.max_inflight = max_inflight_bytes
         self.on_nonfinite = on_nonfinite
@@ -68,8 +71,8 @@ class BackgroundWriter:
         self._lock = threading.Condition()
         self._inflight = 0
         self._error: BaseException | None = None
-        self._writers: dict[tuple[int, str], Any] = {}
-        self._leases: dict[tuple[int, str], Any] = {}  # leases taken by the compute side, not yet opened
+        self._writers: dict[tuple[int, str], PartSink] = {}
+        self._leases: dict[tuple[int, str], PartLease] = {}  # leases taken by the compute side, not yet opened
         self._queues: list[queue.Queue] = [queue.Queue() for _ in range(n_threads)]
         self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"dflash-writer-{i}", daemon=True)
                          for i, q in enumerate(self._queues)]

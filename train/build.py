@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash_cache.errors import DFlashError
+from dflash_cache.protocols import ReadableCache
 from dflash_cache.runtime.dist import Distributed
 from train.config import LoaderConfig, ModelConfig, TrainConfig
 
@@ -34,7 +35,7 @@ from .optim import CombinedOptimizer, is_muon_matrix
 log = logging.getLogger(__name__)
 
 
-def build_model(model_cfg: ModelConfig, cache: Any, device: torch.device) -> nn.Module:
+def build_model(model_cfg: ModelConfig, cache: ReadableCache, device: torch.device) -> nn.Module:
     """The drafter on ``device`` in fp32 (master weights); only its own layers are trainable."""
     from .model import build_drafter
 
@@ -88,7 +89,7 @@ def build_scheduler(train_cfg: TrainConfig, optimizer: torch.optim.Optimizer, to
     )
 
 
-def build_loader(loader_cfg: LoaderConfig, cache: Any, d: Distributed, *, seed: int, epochs: int,
+def build_loader(loader_cfg: LoaderConfig, cache: ReadableCache, d: Distributed, *, seed: int, epochs: int,
                  num_anchors: int, block_size: int) -> Any:
     """The streaming loader over this rank's slice of the plan (batches land on the training device).
     ``num_anchors`` (train.num_anchors) and ``block_size`` (model.block_size) size the plan's block budget."""

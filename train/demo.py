@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.errors import DFlashError
+from dflash_cache.protocols import ReadableCache
 from dflash_cache.runtime.entry import command_parser, run_cli
 
 log = logging.getLogger("dflash.demo")
@@ -37,7 +38,7 @@ def _stage(name: str, main: Any, argv: list[str]) -> None:
         raise StageFailed(f"demo stage {name!r} failed with exit code {rc} (its error is printed above)")
 
 
-def _untrained_drafter(cfg: Any, cache: Any) -> Any:
+def _untrained_drafter(cfg: Any, cache: ReadableCache) -> Any:
     import torch
 
     from .model import build_drafter

@@ -32,6 +32,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from dflash_cache.protocols import ReadableCache
+
 Optimizer = Literal["adamw", "muon"]
 GIB = 1024**3
 
@@ -417,7 +419,7 @@ class TeacherShape:
     source: str  # "cache", "config.json", "preset"
 
 
-def teacher_shape(cfg: Any, cache: Any | None) -> TeacherShape:
+def teacher_shape(cfg: Any, cache: ReadableCache | None) -> TeacherShape:
     """The teacher's shapes: the cache's spec, else the teacher's config.json when it can be read without the
     hub, else ``teacher.hidden_size / vocab_size / num_layers`` from the preset. Never downloads."""
     from dflash_cache.errors import ConfigError
@@ -477,7 +479,7 @@ def worst_case_figures(cfg: Any, max_length: int) -> PlanFigures:
     return PlanFigures("worst case", doc_len, bound, bound, lc.tokens_per_batch, lc.tokens_per_batch, None, None)
 
 
-def plan_figures(cfg: Any, cache: Any) -> PlanFigures:
+def plan_figures(cfg: Any, cache: ReadableCache) -> PlanFigures:
     """Epoch 0's plan over the cache, as the trainer's loader would make it (index arrays only; no feature
     is read)."""
     import numpy as np
@@ -535,7 +537,7 @@ class EstimateReport:
         }
 
 
-def estimate_run(cfg: Any, cache: Any | None = None, *, device: str = "cuda", gpu_memory_gib: float | None = None,
+def estimate_run(cfg: Any, cache: ReadableCache | None = None, *, device: str = "cuda", gpu_memory_gib: float | None = None,
                  tokens_per_s: float | None = None, gpu_tflops: float = 989.0, mfu: float = 0.35) -> EstimateReport:
     """The memory, FLOPs and time of a run of ``cfg`` (optionally on ``cache``), without loading weights."""
     notes: list[str] = []
@@ -663,7 +665,7 @@ def format_report(r: EstimateReport) -> str:
     return "\n".join(lines)
 
 
-def check_fits(cfg: Any, cache: Any, device: Any, total: int | None = None) -> None:
+def check_fits(cfg: Any, cache: ReadableCache, device: Any, total: int | None = None) -> None:
     """At the start of training on a GPU: refuse a config whose worst step cannot fit (train.check_memory).
     ``total``: the device's memory (default: asked from CUDA)."""
     import torch

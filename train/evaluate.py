@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from dflash_cache.errors import CacheCorruptError, ConfigError, DFlashError
+from dflash_cache.protocols import ReadableCache
 from dflash_cache.runtime.threads import budget_cpu_threads
 from extract.config import TeacherConfig
 from train.config import EvalConfig
@@ -73,7 +74,7 @@ class TeacherForcedResult:
     n_samples: int
 
 
-def holdout_sample_ids(cache: Any, fraction: float, skip_corrupt: bool = False) -> np.ndarray:
+def holdout_sample_ids(cache: ReadableCache, fraction: float, skip_corrupt: bool = False) -> np.ndarray:
     """The cache's held-out sample ids (the same rule the training plan uses to leave them out). With
     ``skip_corrupt`` (``loader.on_corrupt=skip``) parts whose commit record or small arrays cannot be
     trusted are left out, as the loader leaves them out."""
@@ -108,7 +109,7 @@ def sample_metrics(model: Any, batch: Any, anchors_per_forward: int = 256) -> di
     return total
 
 
-def _read_eval_samples(cache: Any, ids: list[int], skip_corrupt: bool) -> list[Any]:
+def _read_eval_samples(cache: ReadableCache, ids: list[int], skip_corrupt: bool) -> list[Any]:
     """``cache.read_samples(ids)``; with ``skip_corrupt`` the samples of a part that fails a check are
     left out (logged), as the loader quarantines it."""
     try:
@@ -125,7 +126,7 @@ def _read_eval_samples(cache: Any, ids: list[int], skip_corrupt: bool) -> list[A
     return out
 
 
-def teacher_forced_eval(model: Any, cache: Any, sample_ids: Sequence[int], *, max_blocks: int | None = None,
+def teacher_forced_eval(model: Any, cache: ReadableCache, sample_ids: Sequence[int], *, max_blocks: int | None = None,
                         read_batch: int = 16, skip_corrupt: bool = False) -> TeacherForcedResult:
     """Teacher-forced acceptance of ``model`` over ``sample_ids`` of ``cache`` (every eligible anchor).
     ``skip_corrupt``: leave out samples whose part fails a check instead of raising."""
@@ -185,7 +186,7 @@ class LiveResult:
         return sum(p.tau for p in self.prompts) / max(1, len(self.prompts))
 
 
-def live_prompts(cache: Any, sample_ids: Sequence[int], n: int) -> tuple[list[tuple[int, list[int]]], int]:
+def live_prompts(cache: ReadableCache, sample_ids: Sequence[int], n: int) -> tuple[list[tuple[int, list[int]]], int]:
     """Up to ``n`` prompts from ``sample_ids`` (in order), as ``(sample id, token ids)``: each sample's
     tokens before its first loss token, i.e. the conversation up to the first assistant turn's
     generation prompt, as the teacher saw it at extraction. Reads no features. Returns the prompts and
@@ -407,7 +408,7 @@ def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new
 # ----------------------------------------------------------------------------------------------
 
 
-def load_for_eval(checkpoint: str, cache: Any, attention: str = "auto", device: torch.device | None = None) -> Any:
+def load_for_eval(checkpoint: str, cache: ReadableCache, attention: str = "auto", device: torch.device | None = None) -> Any:
     """A drafter from a checkpoint / run dir / drafter dir, checked against ``cache`` (names the field)."""
     from .export import config_for, load_weights
     from .model import drafter_class
@@ -495,7 +496,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_live(model: Any, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache: Any, sample_ids: Sequence[int],
+def run_live(model: Any, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache: ReadableCache, sample_ids: Sequence[int],
              prompt_source: str = "holdout", sampling: SamplingParams | None = None, seed: int = 0) -> dict[str, Any]:
     """Live speculative decoding on ``eval.live_prompts`` prompts from ``sample_ids`` (the held-out ones,
     unless the caller says otherwise in ``prompt_source``) with the teacher of ``teacher_cfg``; the ``--json``
