@@ -1,4 +1,5 @@
-"""``dflash-extract CONFIG --out CACHE``: teacher features for every sample, written once into the cache.
+"""The extraction loop behind ``dflash-extract CONFIG --out CACHE`` (:mod:`extract.run`): teacher features
+for every sample, written once into the cache.
 
 Work units are contiguous ranges of ``extract.unit_size`` sample ids; process ``rank`` of ``world``
 takes units ``u % world == rank``. A unit writes one part per length bucket, named ``u<unit>``, with

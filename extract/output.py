@@ -18,14 +18,8 @@ from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.storage import storage_error
 
 from .run_config import sample_rules, template_options
-from .teacher import (
-    num_decoder_layers,
-    resolve_mask_token,
-    teacher_name,
-)
-from .template import (
-    tokenizer_hash,
-)
+from .teacher import num_decoder_layers, resolve_mask_token, teacher_name
+from .template import tokenizer_hash
 
 
 def build_spec(cfg: PipelineConfig, model: Any, tokenizer: Any, layer_ids: list[int], dataset_fp: str) -> CacheSpec:
