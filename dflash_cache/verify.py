@@ -187,6 +187,17 @@ def _check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> dict[s
     return small
 
 
+def check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> str | None:
+    """Every check of ``verify`` on one part (its record taken as given): None when it passes, else why not."""
+    try:
+        _check_part(storage, cache, part)
+    except _PartCheck as err:
+        return f"array {err.array}: {err.message}"
+    except CacheCorruptError as err:
+        return str(err)
+    return None
+
+
 def _check_groups(cache: FeatureCache, report: VerifyReport) -> None:
     """The group documents that zarr-python needs to walk from the root to the parts."""
     for key in ["buckets/zarr.json", *(f"buckets/{b}/zarr.json" for b in range(cache.spec.n_buckets))]:
