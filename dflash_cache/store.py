@@ -21,7 +21,7 @@ from .errors import (
     SampleNotFoundError,
     SpecMismatchError,
 )
-from .fence import garbage_of_committed, remove_dead_seals, remove_garbage_of_committed
+from .fence import commit_sealed, garbage_of_committed, remove_dead_seals, remove_garbage_of_committed
 from .head import HEAD_KEY, decode_head, encode_head
 from .index import CacheIndex, build_index
 from .lease import (
@@ -235,6 +235,9 @@ class FeatureCache:
                 log.info("keeping %s: %s is writing it", key, holder.describe())
                 continue
             if dry_run:
+                if commit_sealed(self.storage, key):  # (resolved when leased: committed if it verifies)
+                    log.info("%s: a generation sealed for its commit; gc commits it if it verifies", key)
+                    continue
                 removed.append(key)
                 continue
             try:
