@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import locks
@@ -72,14 +73,15 @@ class Holder(HolderRecord):
     def parse(cls, gen: int, raw: bytes) -> Holder | None:
         try:
             rec = json.loads(raw)
-            for k in ("token", "host", "pid", "pidns", "heartbeat_unix"):
-                rec[k]  # noqa: B018 - a lease record names all of them
+            if not all(k in rec for k in ("token", "host", "pid", "pidns", "heartbeat_unix")):
+                return None
             return cls.from_dict({**rec, "gen": gen, "token": str(rec["token"]), "host": str(rec["host"]),
                                   "pidns": str(rec["pidns"])})
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError):
             return None  # half-written (filesystems without hard links) or foreign: treated as stale
 
-    def alive(self, timeout_s: float, holds=None) -> bool:  # noqa: ANN001 - as the base
+    def alive(self, timeout_s: float, holds: Callable[[str], bool] | None = None) -> bool:
+        """The staleness rule; a lease of this very process is alive while its keeper holds it."""
         return super().alive(timeout_s, _keeper.holds if holds is None else holds)
 
     @property
