@@ -27,7 +27,7 @@ import torch
 
 from .codecs import crc32c, u16_to_bf16
 from .errors import CacheCorruptError
-from .fence import garbage_of_committed, seal_gen, seal_key
+from .fence import commit_sealed, garbage_of_committed, seal_gen, seal_key
 from .head import HEAD_KEY, decode_head
 from .lease import live_holder
 from .parts import COMMIT, PartInfo, gen_dir, gen_of, part_key
@@ -64,6 +64,7 @@ class VerifyReport:
     garbage: list[str] = field(default_factory=list)  # late writers' files in committed parts (nothing reads them)
     stray: list[str] = field(default_factory=list)  # files where only part directories belong
     unknown: list[str] = field(default_factory=list)  # entries in committed parts that their record does not name
+    sealed: list[str] = field(default_factory=list)  # uncommitted parts whose writer sealed a generation, then stopped
 
     @property
     def ok(self) -> bool:
@@ -102,6 +103,10 @@ class VerifyReport:
     def leftovers(self) -> list[str]:
         """One line per entry that readers ignore (what it is, and whether ``dflash-cache gc`` removes it)."""
         lines = []
+        for key in self.sealed:
+            lines.append(f"{key}: uncommitted, but its writer sealed a generation for its commit and stopped before "
+                         "the commit record; `dflash-cache gc` (or rerunning the extraction) commits it if it "
+                         "verifies, and removes it otherwise")
         for key in self.garbage:
             name = key.rsplit("/", 1)[-1]
             what = ("the seal of a generation that its commit record does not name" if seal_gen(name) is not None
@@ -369,6 +374,7 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
     Parts are checked on ``threads`` threads (unset: up to 8 locally, 16 on a remote store)."""
     cache = open_cache(url, storage=storage)
     report = VerifyReport(uncommitted=cache.uncommitted(), stray=cache.stray_files())
+    report.sealed = [k for k in report.uncommitted if commit_sealed(cache.storage, k)]
     _check_head(cache, report)
     _check_groups(cache, report)
     parts, bad_records = cache.scan_parts()

@@ -136,7 +136,9 @@ def _assert_committed_as_written(url: Path, key: str) -> None:
 
 def test_gc_commits_a_sealed_generation_whose_writer_died_before_its_commit_record(cache_dir, capsys, caplog):
     key = _writer_dies_between_seal_and_commit(cache_dir)
-    assert key in verify_cache(str(cache_dir)).uncommitted  # invisible to readers until resolved
+    assert cli_main(["verify", str(cache_dir)]) == 0  # invisible to readers until resolved; listed
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith(f"{key}:")]
+    assert len(said) == 1 and "sealed a generation for its commit" in said[0] and "dflash-cache gc" in said[0]
     with caplog.at_level(logging.WARNING, logger="dflash_cache.recover"):
         assert cli_main(["gc", str(cache_dir)]) == 0
     said = capsys.readouterr()
