@@ -79,6 +79,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     report = verify_cache(args.cache, raise_on_error=False)
     print(report.summary())
+    for line in report.leftovers():
+        print(f"  {line}")
     if report.ok:
         return 0
     print(f"error: {args.cache}: verify found {len(report.problems)} problem(s), one line per part:", file=sys.stderr)

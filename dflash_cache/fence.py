@@ -11,6 +11,12 @@ the generation's *seal* ``<part>/g<gen>.seal`` with an exclusive create first: t
 Whoever is first wins; the loser backs off (the writer drops its copy with a clear error, the
 remover leaves the directory alone). Once a part has a commit record nobody else can commit it, so
 every other generation is removed without a seal.
+
+The commit seal carries the commit record the writer is about to create (``commit\n<record>``). A
+writer that dies (or loses its lease) between its seal and its commit record leaves a sealed,
+uncommitted generation; the part's next lease holder (a rerun, a takeover, ``gc``) resolves it when it
+takes the lease (:mod:`dflash_cache.recover`): it commits the generation with the sealed record when
+the data verifies against that record, and removes it otherwise.
 """
 
 from __future__ import annotations
@@ -36,14 +42,44 @@ def seal_gen(name: str) -> int | None:
     return gen_of(name[: -len(_SEAL_SUFFIX)]) if name.endswith(_SEAL_SUFFIX) else None
 
 
-def seal_for_commit(storage: Storage, key: str, gen: int) -> bool:
-    """Claim generation ``gen`` of part ``key`` for a commit. False: a remover declared it dead first."""
-    if storage.create_exclusive(seal_key(key, gen), SEAL_COMMIT, durable=True):
+def commit_seal(record: bytes) -> bytes:
+    """The content of a commit seal: ``commit``, then the commit record the writer is about to create."""
+    return SEAL_COMMIT + b"\n" + record if record else SEAL_COMMIT
+
+
+def is_commit_seal(raw: bytes) -> bool:
+    return raw == SEAL_COMMIT or raw.startswith(SEAL_COMMIT + b"\n")
+
+
+def sealed_record(raw: bytes) -> bytes | None:
+    """The commit record inside a commit seal (None: a seal without one, or not a commit seal)."""
+    return raw[len(SEAL_COMMIT) + 1:] if raw.startswith(SEAL_COMMIT + b"\n") else None
+
+
+def seal_for_commit(storage: Storage, key: str, gen: int, record: bytes = b"") -> bool:
+    """Claim generation ``gen`` of part ``key`` for a commit with ``record``. False: a remover declared
+    it dead first."""
+    if storage.create_exclusive(seal_key(key, gen), commit_seal(record), durable=True):
         return True
     try:
-        return storage.get(seal_key(key, gen)) == SEAL_COMMIT  # (sealed by this writer before: a retry)
+        return is_commit_seal(storage.get(seal_key(key, gen)))  # (sealed by this writer before: a retry)
     except FileNotFoundError:
         return False
+
+
+def commit_sealed(storage: Storage, key: str) -> list[int]:
+    """Generations of part ``key`` sealed for a commit (whether or not they were committed)."""
+    out = []
+    for name in storage.list_dir(key):
+        g = seal_gen(name)
+        if g is None:
+            continue
+        try:
+            if is_commit_seal(storage.get(f"{key}/{name}")):
+                out.append(g)
+        except FileNotFoundError:
+            continue
+    return sorted(out)
 
 
 def discard_generation(storage: Storage, key: str, gen: int) -> bool:

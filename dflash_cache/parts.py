@@ -10,6 +10,8 @@ from typing import Any
 from .errors import CacheCorruptError, CacheError
 
 COMMIT = "commit.json"
+# a part's own group document (its data is the generation group under it): constant, so any writer may put it
+PART_GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}, indent=1).encode()
 LEASE = "writing.json"
 FEATURE_ARRAYS = ("features", "scales")  # token-sharded arrays
 SMALL_ARRAYS = ("input_ids", "loss_mask", "target_argmax", "offsets", "sample_ids")

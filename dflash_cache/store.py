@@ -21,10 +21,18 @@ from .errors import (
     SampleNotFoundError,
     SpecMismatchError,
 )
-from .fence import garbage_of_committed, remove_dead_seals, remove_garbage_of_committed
+from .fence import commit_sealed, garbage_of_committed, remove_dead_seals, remove_garbage_of_committed
 from .head import HEAD_KEY, decode_head, encode_head
 from .index import CacheIndex, build_index
-from .lease import LEASE_TIMEOUT_S, LeaseHeldError, PartCommittedError, PartLease, acquire, live_holder
+from .lease import (
+    LEASE_TIMEOUT_S,
+    LeaseHeldError,
+    PartCommittedError,
+    PartLease,
+    acquire,
+    is_lease_file,
+    live_holder,
+)
 from .parts import COMMIT, PartInfo, check_part_name, part_key
 from .reader import PartReaderCache, Sample
 from .spec import ATTR_KEY, FORMAT_VERSION, CacheSpec, describe_diff
@@ -227,6 +235,9 @@ class FeatureCache:
                 log.info("keeping %s: %s is writing it", key, holder.describe())
                 continue
             if dry_run:
+                if commit_sealed(self.storage, key):  # (resolved when leased: committed if it verifies)
+                    log.info("%s: a generation sealed for its commit; gc commits it if it verifies", key)
+                    continue
                 removed.append(key)
                 continue
             try:
@@ -239,6 +250,8 @@ class FeatureCache:
                 lease.release()
                 continue
             remove_dead_seals(self.storage, key)  # (this process holds the lease: no writer can seal meanwhile)
+            if {n for n in self.storage.list_dir(key) if not is_lease_file(n)} == {"zarr.json"}:
+                self.storage.remove(f"{key}/zarr.json")  # the part's group document alone: nothing to keep
             lease.release(remove_dir=True)
             removed.append(key)
         return removed

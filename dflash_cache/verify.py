@@ -27,10 +27,10 @@ import torch
 
 from .codecs import crc32c, u16_to_bf16
 from .errors import CacheCorruptError
-from .fence import garbage_of_committed
+from .fence import commit_sealed, garbage_of_committed, seal_gen, seal_key
 from .head import HEAD_KEY, decode_head
 from .lease import live_holder
-from .parts import COMMIT, PartInfo, gen_of, part_key
+from .parts import COMMIT, PartInfo, gen_dir, gen_of, part_key
 from .reader import ArrayReader, layouts_for
 from .storage import Storage
 from .store import FeatureCache, open_cache
@@ -63,6 +63,8 @@ class VerifyReport:
     being_written: list[str] = field(default_factory=list)  # uncommitted parts whose writer is live
     garbage: list[str] = field(default_factory=list)  # late writers' files in committed parts (nothing reads them)
     stray: list[str] = field(default_factory=list)  # files where only part directories belong
+    unknown: list[str] = field(default_factory=list)  # entries in committed parts that their record does not name
+    sealed: list[str] = field(default_factory=list)  # uncommitted parts whose writer sealed a generation, then stopped
 
     @property
     def ok(self) -> bool:
@@ -93,7 +95,30 @@ class VerifyReport:
                   "(dflash-cache gc removes them)")
         if self.stray:
             s += f"; {len(self.stray)} stray file(s) ignored by readers: {', '.join(self.stray[:3])}"
+        if self.unknown:
+            s += (f"; {len(self.unknown)} unknown file(s) in committed parts ignored by readers: "
+                  f"{', '.join(self.unknown[:3])}")
         return s
+
+    def leftovers(self) -> list[str]:
+        """One line per entry that readers ignore (what it is, and whether ``dflash-cache gc`` removes it)."""
+        lines = []
+        for key in self.sealed:
+            lines.append(f"{key}: uncommitted, but its writer sealed a generation for its commit and stopped before "
+                         "the commit record; `dflash-cache gc` (or rerunning the extraction) commits it if it "
+                         "verifies, and removes it otherwise")
+        for key in self.garbage:
+            name = key.rsplit("/", 1)[-1]
+            what = ("the seal of a generation that its commit record does not name" if seal_gen(name) is not None
+                    else "a generation that its commit record does not name (a writer that lost the part, or died)")
+            lines.append(f"{key}: {what}; never read; `dflash-cache gc` removes it")
+        for key in self.unknown:
+            lines.append(f"{key}: not named by the part's commit record; never read (training ignores it); "
+                         "`dflash-cache gc` leaves it: remove it by hand")
+        for key in self.stray:
+            lines.append(f"{key}: a file where only part directories belong; never read; `dflash-cache gc` leaves "
+                         "it: remove it by hand")
+        return lines
 
 
 class _PartCheck(Exception):
@@ -185,6 +210,57 @@ def _check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> dict[s
     _check_counts(part, small, cache.bucket_bounds(part.bucket))
     _check_features(storage, part)
     return small
+
+
+def unknown_entries(storage: Storage, part: PartInfo) -> list[str]:
+    """Keys in committed part ``part`` that neither the commit protocol nor its commit record names (an extra
+    file in its generation, an array or chunk the record does not list, a partial write): nothing reads
+    them. Other generations and seals are :func:`~dflash_cache.fence.garbage_of_committed`, lease files
+    are the protocol's own."""
+    key = part.key
+    known = {COMMIT, "zarr.json", *garbage_of_committed(storage, key, part.generation)}
+    known |= {gen_dir(part.generation), seal_key(key, part.generation).rsplit("/", 1)[-1]} \
+        if part.generation is not None else set(part.arrays)
+    out = [f"{key}/{name}" for name in storage.list_dir(key) if name not in known]
+    grids: dict[str, list[int] | None] = {}
+    for k in sorted(storage.list_files(part.data_key)):
+        rel = k[len(part.data_key) + 1:].split("/")
+        if rel == ["zarr.json"] or (part.generation is None and rel[0] not in part.arrays):
+            continue  # (the single-directory layout: what is not an array was judged above)
+        if rel[0] not in part.arrays or len(rel) < 2:
+            out.append(k)
+            continue
+        if rel[1:] == ["zarr.json"]:
+            continue
+        if rel[0] not in grids:
+            grids[rel[0]] = _chunk_grid(storage, f"{part.data_key}/{rel[0]}")
+        grid, idx = grids[rel[0]], rel[2:]
+        if rel[1] != "c" or not all(i.isdigit() for i in idx) or (
+                grid is not None and (len(idx) != len(grid) or any(int(i) >= n for i, n in zip(idx, grid, strict=True)))):
+            out.append(k)
+    return out
+
+
+def _chunk_grid(storage: Storage, array_key: str) -> list[int] | None:
+    """Chunks per dimension of the array at ``array_key`` (None: its metadata cannot tell; other checks
+    report that)."""
+    try:
+        meta = json.loads(storage.get(f"{array_key}/zarr.json"))
+        shape, chunks = meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"]
+        return [-(-int(n) // max(int(c), 1)) for n, c in zip(shape, chunks, strict=True)]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> str | None:
+    """Every check of ``verify`` on one part (its record taken as given): None when it passes, else why not."""
+    try:
+        _check_part(storage, cache, part)
+    except _PartCheck as err:
+        return f"array {err.array}: {err.message}"
+    except CacheCorruptError as err:
+        return str(err)
+    return None
 
 
 def _check_groups(cache: FeatureCache, report: VerifyReport) -> None:
@@ -298,6 +374,7 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
     Parts are checked on ``threads`` threads (unset: up to 8 locally, 16 on a remote store)."""
     cache = open_cache(url, storage=storage)
     report = VerifyReport(uncommitted=cache.uncommitted(), stray=cache.stray_files())
+    report.sealed = [k for k in report.uncommitted if commit_sealed(cache.storage, k)]
     _check_head(cache, report)
     _check_groups(cache, report)
     parts, bad_records = cache.scan_parts()
@@ -309,6 +386,7 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
         report.n_parts += 1
         report.garbage += [f"{part.key}/{n}" for n in garbage_of_committed(cache.storage, part.key, part.generation)
                            if not n.startswith("lease.")]
+        report.unknown += unknown_entries(cache.storage, part)
         try:
             if isinstance(result, BaseException):
                 raise result

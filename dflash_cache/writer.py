@@ -44,7 +44,7 @@ from .codecs import (
 from .errors import CacheError, DataError
 from .fence import remove_garbage_of_committed, seal_for_commit, seal_key
 from .lease import LEASE_TIMEOUT_S, LeaseLostError, PartCommittedError, PartLease, acquire
-from .parts import COMMIT, PartInfo, check_part_name, gen_dir, part_key
+from .parts import COMMIT, PART_GROUP, PartInfo, check_part_name, gen_dir, part_key
 
 if TYPE_CHECKING:
     from .store import FeatureCache
@@ -52,8 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ZCONFIG = {"write_empty_chunks": True}
-# the part's own group (its data is the generation group under it): constant, so any writer may put it
-_PART_GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}, indent=1).encode()
+_PART_GROUP = PART_GROUP  # the part's own group document (constant: any writer may put it)
 
 
 def _as_1d(x: Any, name: str, sample_id: int) -> np.ndarray:
@@ -266,11 +265,19 @@ class PartWriter:
             raise DataError(f"sample {sid}: features contain NaN or Inf; skip the sample (extract.on_nonfinite)")
         return t
 
-    def _lost(self) -> LeaseLostError:
-        """The error of a writer whose part was taken over (it drops its copy; the new owner's stands)."""
+    def _lost(self, sealed: bool = False) -> LeaseLostError:
+        """The error of a writer whose part was taken over (it drops its copy; the new owner's stands). A
+        generation this writer sealed for its commit is left to the part's lease holder, who may be
+        committing it (dflash_cache.recover) or removes it as garbage once its own copy is committed."""
         self._closed = True
-        with contextlib.suppress(OSError):
-            self.cache.storage.remove_entry(self.data_key)  # this generation's files: nobody else's
+        st = self.cache.storage
+        if sealed and st.exists(f"{self.key}/{COMMIT}"):  # committed by another writer: this one is garbage now
+            with contextlib.suppress(OSError):
+                st.remove(seal_key(self.key, self._lease.gen))
+            sealed = False
+        if not sealed:
+            with contextlib.suppress(OSError):
+                st.remove_entry(self.data_key)  # this generation's files: nobody else's
         self._lease.release()
         return LeaseLostError(f"part {self.key} was taken over by another process while this one wrote it (no "
                               f"heartbeat for {LEASE_TIMEOUT_S:.0f} s: was this process stopped, or its host "
@@ -314,17 +321,33 @@ class PartWriter:
         st = self.cache.storage
         record = json.dumps(info.to_record(self.cache.spec.fingerprint), indent=1).encode()
         # sealed first, then the lease checked: a remover takes the lease before it seals a generation dead,
-        # so either it sees this seal and keeps the files, or this writer sees its lease and stops
-        if not seal_for_commit(st, self.key, self._lease.gen):
+        # so either it sees this seal and keeps the files, or this writer sees its lease and stops. The seal
+        # carries the record: should this writer stop before its commit record, the part's next lease holder
+        # commits this generation with it once the data verifies (dflash_cache.recover)
+        if not seal_for_commit(st, self.key, self._lease.gen, record):
             raise self._lost()
         if not self._lease.held():
-            with contextlib.suppress(OSError):
-                st.remove(seal_key(self.key, self._lease.gen))
-            raise self._lost()
+            if self._committed_as(record):  # the next holder committed this generation for us
+                return self._committed(info)
+            raise self._lost(sealed=True)
         # the same bytes from every writer: a plain put is safe; durable, as verify requires it of a commit
         st.put(f"{self.key}/zarr.json", _PART_GROUP, durable=True)
         if not st.create_exclusive(f"{self.key}/{COMMIT}", record, durable=True):  # visible from here on
-            raise self._lost()
+            if self._committed_as(record):
+                return self._committed(info)
+            raise self._lost(sealed=True)
+        return self._committed(info)
+
+    def _committed_as(self, record: bytes) -> bool:
+        """The part's commit record is ``record`` (created by this writer, or by the next lease holder that
+        resolved this writer's sealed generation)."""
+        try:
+            return self.cache.storage.get(f"{self.key}/{COMMIT}") == record
+        except FileNotFoundError:
+            return False
+
+    def _committed(self, info: PartInfo) -> PartInfo:
+        st = self.cache.storage
         self._lease.release()
         self._closed = True
         with contextlib.suppress(OSError):  # late writers' garbage: nobody can commit this part any more

@@ -16,17 +16,16 @@ What it guarantees, and why:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from dflash_cache.errors import DataError, DFlashError
+from dflash_cache.locks import FlockFile, HolderRecord
 from dflash_cache.storage import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -37,41 +36,35 @@ class OutputLockedError(DFlashError):
 
 
 class OutputLock:
-    """An exclusive ``flock`` on ``OUT.lock`` naming its holder; both regenerate paths hold it while they
-    write OUT (the file stays after a run: only the lock matters)."""
+    """An exclusive ``flock`` on ``OUT.lock`` naming its holder (:class:`dflash_cache.locks.FlockFile`); both
+    regenerate paths hold it while they write OUT (the file stays after a run: only the lock matters)."""
 
     def __init__(self, out: str | Path):
         self.out = Path(out)
         self.path = self.out.with_name(self.out.name + ".lock")
-        self._fd: int | None = None
+        self._file = FlockFile(self.path, 1024)
 
     def acquire(self) -> OutputLock:
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        state = self._file.open().lock()
+        if state == FlockFile.HELD:
+            h = self._file.read()
             try:
-                h = json.loads(holder)
-                holder = f"pid {h['pid']} on {h['host']}, since {h['started']}"
-            except (ValueError, KeyError, TypeError):
-                pass
+                holder = f"pid {h['pid']} on {h['host']}, since {h['started']}"  # type: ignore[index]
+            except (KeyError, TypeError):
+                holder = json.dumps(h) if h else "unknown"
             raise OutputLockedError(
                 f"{self.out} is being written by another dflash-extract regenerate ({holder}); two writers "
                 "would ask the same prompts twice. Wait for it to finish, stop it, or choose another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.pwrite(fd, json.dumps(info).encode(), 0)
-        self._fd = fd
+            )
+        if state == FlockFile.UNSUPPORTED:
+            log.warning("%s: flock is not supported on this filesystem: a second writer would not be refused",
+                        self.path)
+        self._file.write(HolderRecord.mine().to_json(started=time.strftime("%Y-%m-%d %H:%M:%S")), sync=False)
         return self
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+        self._file.close()  # closing the descriptor drops the flock
 
     def __enter__(self) -> OutputLock:
         return self.acquire()

@@ -14,7 +14,10 @@ So a record naming another host, not released, is trusted over a granted ``flock
 watches it for ``STALE_AFTER_S`` seconds of its own clock (hosts' clocks differ); if the heartbeat
 advances, the holder is alive (refused), if not, its node is gone (taken over, logged). A record whose
 heartbeat is far older than that by any plausible clock is taken over at once. Where ``flock`` is
-unsupported, a record of this host is checked by PID instead.
+unsupported, a record of this host is checked by PID and process start time instead.
+
+The holder record, the host identity (the hostname, or ``DFLASH_HOST_ID``), the pid check, the
+heartbeat thread and the flock itself are the shared lock primitives of :mod:`dflash_cache.locks`.
 
 Everything a trainer writes into the run dir goes through :func:`write_error` when the operating system
 refuses it (read-only, permissions, no space), so the user sees the path and what to do, not a traceback.
@@ -23,13 +26,10 @@ refuses it (read-only, permissions, no space), so the user sees the path and wha
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
-import socket
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from dflash_cache.errors import DFlashError
+from dflash_cache.locks import FlockFile, Heartbeat, HolderRecord, heartbeat_advances, host_name
 from dflash_cache.runtime.dist import Distributed
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,6 @@ CONFIG_FILE = "config.json"
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 60.0  # six missed heartbeats: the holder (or its node) is gone
 _RECORD_BYTES = 2048  # the record is rewritten in place, padded to this size (the flock'ed inode must stay)
-_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 class RunDirError(DFlashError):
@@ -68,13 +68,10 @@ def write_error(path: str | Path, err: OSError, what: str = "write") -> RunDirEr
 
 
 @dataclass
-class Holder:
-    """Who holds a run dir (the content of ``RUN/trainer.lock``)."""
+class Holder(HolderRecord):
+    """Who holds a run dir (the content of ``RUN/trainer.lock``): a lock holder record plus these."""
 
-    pid: int
-    host: str
-    started_unix: float
-    heartbeat_unix: float
+    started_unix: float = 0.0
     argv: list[str] = field(default_factory=list)
     released: bool = False
 
@@ -99,82 +96,67 @@ class RunDirLock:
     def __init__(self, run_dir: Path, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
         self.path = run_dir / LOCK_FILE
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
-        self.host = socket.gethostname()
-        self._fd: int | None = None
+        self.host = host_name()
+        self._file = FlockFile(self.path, _RECORD_BYTES)
         self._holder: Holder | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._heartbeat: Heartbeat | None = None
 
     def acquire(self) -> None:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            self._file.open()
         except OSError as err:
             raise write_error(self.path, err, "create the lock file") from None
-        flocked = True
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise self._refusal(self._read(), "holds its lock") from None
+            state = self._file.lock()
         except OSError as err:
-            if err.errno not in _NO_FLOCK:
-                os.close(fd)
-                raise write_error(self.path, err, "lock") from None
-            flocked = False
-            log.warning("%s: flock is not supported on this filesystem (%s); relying on the holder record "
-                        "and its heartbeat", self.path, err.strerror)
-        self._fd = fd
+            raise write_error(self.path, err, "lock") from None
+        if state == FlockFile.HELD:
+            raise self._refusal(self._read(), "holds its lock")
+        if state == FlockFile.UNSUPPORTED:
+            log.warning("%s: flock is not supported on this filesystem; relying on the holder record and its "
+                        "heartbeat", self.path)
         try:
-            self._check_previous(self._read(), flocked)
-            now = time.time()
-            self._holder = Holder(os.getpid(), self.host, now, now, list(sys.argv))
+            self._check_previous(self._read(), state == FlockFile.GRANTED)
+            self._holder = Holder.mine(started_unix=time.time(), argv=list(sys.argv))
             self._write()
         except BaseException:
-            os.close(fd)
-            self._fd = None
+            self._file.close()
             raise
-        self._thread = threading.Thread(target=self._beat, name="dflash-rundir-heartbeat", daemon=True)
-        self._thread.start()
+        self._heartbeat = Heartbeat(self._beat, self.heartbeat_s, "dflash-rundir-heartbeat").start()
 
     def release(self) -> None:
-        if self._fd is None:
+        if self._file.fd is None:
             return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         assert self._holder is not None
         self._holder.released = True
         try:
             self._write()
         except RunDirError as err:  # the lock is freed by closing the file anyway
             log.warning("could not mark %s released: %s", self.path, err)
-        os.close(self._fd)  # releases the flock
-        self._fd = None
+        self._file.close()  # releases the flock
 
     # ------------------------------------------------------------------------------------------
 
     def _check_previous(self, prev: Holder | None, flocked: bool) -> None:
         if prev is None or prev.released or (prev.pid == os.getpid() and prev.host == self.host):
             return
-        if prev.host == self.host:
-            if not flocked and _pid_alive(prev.pid):
+        if prev.in_this_namespace() or (not prev.pidns and prev.host == self.host):  # (no pidns: an older record)
+            running = prev.process_alive() if prev.pidns else _pid_alive(prev.pid)
+            if not flocked and running:
                 raise self._refusal(prev, "is running")
             log.warning("%s: taking over the lock of %s, which is no longer running", self.path, prev.describe())
             return
         # another host: a granted flock may be node-local, so watch the heartbeat. Its clock may differ from
         # ours: only a record far older than the threshold is judged by its timestamp; otherwise it must stay
         # unchanged for stale_after_s of our own time
-        if time.time() - prev.heartbeat_unix < 10 * self.stale_after_s:
+        if prev.heartbeat_age() < 10 * self.stale_after_s:
             log.info("%s names %s with a heartbeat %.0f s ago: watching it for %.0f s to see whether it is alive",
-                     self.path, prev.describe(), time.time() - prev.heartbeat_unix, self.stale_after_s)
-            until = time.monotonic() + self.stale_after_s
-            while time.monotonic() < until:
-                time.sleep(min(self.heartbeat_s, max(0.0, until - time.monotonic())) + 0.01)
-                now = self._read()
-                if now is None or now.released:
-                    return
-                if now.heartbeat_unix != prev.heartbeat_unix:
-                    raise self._refusal(now, "is alive (its heartbeat advances)")
+                     self.path, prev.describe(), prev.heartbeat_age(), self.stale_after_s)
+            now = heartbeat_advances(self._read, prev, self.stale_after_s, self.heartbeat_s)
+            if now is not None:
+                raise self._refusal(now, "is alive (its heartbeat advances)")  # type: ignore[arg-type]
         log.warning("%s: taking over the lock of %s: its heartbeat stopped", self.path, prev.describe())
 
     def _refusal(self, holder: Holder | None, state: str) -> RunDirError:
@@ -186,36 +168,26 @@ class RunDirLock:
         )
 
     def _read(self) -> Holder | None:
-        for _ in range(3):  # a read racing the heartbeat's rewrite can see a torn record: read again
-            try:
-                text = self.path.read_bytes().rstrip(b"\0 \n")
-            except OSError:
-                return None
-            if not text:
-                return None
-            try:
-                return Holder(**json.loads(text))
-            except (ValueError, TypeError):
-                time.sleep(0.05)
-        return None
+        rec = self._file.read()
+        try:
+            return Holder.from_dict(rec) if rec is not None else None
+        except (ValueError, TypeError):
+            return None
 
     def _write(self) -> None:
-        assert self._fd is not None and self._holder is not None
-        data = json.dumps(asdict(self._holder)).encode()[: _RECORD_BYTES - 1] + b"\n"
+        assert self._holder is not None
         try:
-            os.pwrite(self._fd, data.ljust(_RECORD_BYTES, b" "), 0)
-            os.fsync(self._fd)
+            self._file.write(json.dumps(asdict(self._holder)).encode())
         except OSError as err:
             raise write_error(self.path, err) from None
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            assert self._holder is not None
-            self._holder.heartbeat_unix = time.time()
-            try:
-                self._write()
-            except RunDirError as err:
-                log.warning("run dir heartbeat: %s", err)
+        assert self._holder is not None
+        self._holder.heartbeat_unix = time.time()
+        try:
+            self._write()
+        except RunDirError as err:
+            log.warning("run dir heartbeat: %s", err)
 
 
 class RunDir:

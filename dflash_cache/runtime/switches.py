@@ -23,7 +23,8 @@ SWITCHES: dict[str, str] = {
                                   "benchmarks, or a numcodecs build where the latter misbehaves).",
     "DFLASH_CACHE_CRC": "`google` forces the `google-crc32c` checksum library even when the faster "
                         "`crc32c` package (the `fast` extra) is installed. Both compute the same values.",
-    "DFLASH_HOST_ID": "This process's host identity in part leases (default: the hostname). Processes with "
+    "DFLASH_HOST_ID": "This process's host identity in lock records: part leases, the run dir's and the answer "
+                      "log's lock (default: the hostname). Processes with "
                       "another identity count as another host: their leases are alive by heartbeat, not by "
                       "pid (e.g. two nodes on one machine, or tests). `dflash-cache release --host` names it.",
     "DFLASH_TEST_CKPT_WRITE_DELAY_S": "Test hook: seconds the checkpoint writer sleeps after each file, to "
