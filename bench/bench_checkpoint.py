@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dflash_cache.runtime.schema import CheckpointConfig
-from train.checkpoint import Checkpointer, Snapshot, _Snapshotter, write_checkpoint
+from train.components.checkpoint import Checkpointer, Snapshot, _Snapshotter, write_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_cache.runtime.schema import CheckpointConfig
-from train.checkpoint import (
+from train.components.checkpoint import (
     MANIFEST_FILE,
     Checkpointer,
     CheckpointError,

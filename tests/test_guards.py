@@ -10,8 +10,8 @@ import pytest
 from fixtures.trainer import run_train, small_cache
 
 from dflash_cache.runtime.schema import GuardsConfig
-from train.guards import SpikeGuard, robust_z
-from train.metrics import read_metrics
+from train.components.guards import SpikeGuard, robust_z
+from train.components.metrics import read_metrics
 
 
 def _warm(guard: SpikeGuard, n: int = 32, seed: int = 0) -> None:

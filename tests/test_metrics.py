@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dflash_cache.runtime.schema import MetricsConfig
-from train.metrics import METRICS_FILE, MetricLogger, read_metrics
+from train.components.metrics import METRICS_FILE, MetricLogger, read_metrics
 
 
 def _tb_steps(run_dir, tag="train/loss"):

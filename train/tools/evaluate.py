@@ -38,8 +38,8 @@ from dflash_cache.errors import CacheCorruptError, ConfigError, DFlashError
 from dflash_cache.runtime.schema import EvalConfig, TeacherConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
 
-from .attention import BlockLayout
-from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
+from ..models.attention import BlockLayout
+from ..models.objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
 from .sampling import RejectionSampler, SamplingParams, warp
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def holdout_sample_ids(cache: Any, fraction: float, skip_corrupt: bool = False) 
     """The cache's held-out sample ids (the same rule the training plan uses to leave them out). With
     ``skip_corrupt`` (``loader.on_corrupt=skip``) parts whose commit record or small arrays cannot be
     trusted are left out, as the loader leaves them out."""
-    from .plan import holdout_mask
+    from ..data.plan import holdout_mask
 
     ids = np.asarray(cache.index(skip_corrupt=skip_corrupt).sample_ids, dtype=np.int64)
     return np.sort(ids[holdout_mask(ids, fraction)])
@@ -339,7 +339,7 @@ def selector_proposal(model: Any, ctx_tokens: list[int], ctx_features: Tensor, l
 def sampled_speculative_decode(model: Any, teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int],
                                layer_ids: Sequence[int], params: SamplingParams, sampler: RejectionSampler,
                                proposal: Proposal = sample_proposal) -> LivePromptResult:
-    """Speculative sampling (train/sampling.py): the output is distributed as the teacher's own sampling with
+    """Speculative sampling (train/tools/sampling.py): the output is distributed as the teacher's own sampling with
     ``params``. Cycles are run and counted as :data:`TAU_CONVENTION` says."""
     feats, logits = _teacher_logits_step(teacher, prompt, layer_ids)  # prefill
     seq, pending = list(prompt), sampler.sample(warp(logits[-1], params))
@@ -408,8 +408,8 @@ def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new
 
 def load_for_eval(checkpoint: str, cache: Any, attention: str = "auto", device: torch.device | None = None) -> Any:
     """A drafter from a checkpoint / run dir / drafter dir, checked against ``cache`` (names the field)."""
+    from ..models.model import drafter_class
     from .export import config_for, load_weights
-    from .model import drafter_class
 
     loaded = load_weights(checkpoint)
     cfg = config_for(loaded, cache.spec)
