@@ -1,4 +1,4 @@
-"""The seams between training's parts, as :class:`typing.Protocol` s: what the loop needs of a loader, what
+"""The seams between training's parts, as typing Protocols: what the loop needs of a loader, what
 the objective, evaluation and export need of a drafter, and what a step needs of the objective. Any class with
 these members fits (tests check that the shipped ones do); nothing has to inherit from them."""
 
