@@ -345,7 +345,7 @@ def test_buffer_pool_waits_for_views_and_device_copies() -> None:
 
 
 def test_each_epoch_is_planned_once_and_counted_plans_are_read(cache_url: str, monkeypatch) -> None:
-    from train import plan as plan_mod
+    from train.data import plan as plan_mod
 
     calls = []
     real = plan_mod.Planner.plan

@@ -43,7 +43,7 @@ class LiveWindows:
     def __init__(self, cfg: LoaderConfig, url: str, world_size: int, *,
                  committed_keys: Callable[[], list[str]], training_samples: Callable[[list[str]], int],
                  extraction_done: Callable[[], bool], agree: Agree | None = None,
-                 on_wait: Callable[[], None] | None = None) -> None:
+                 on_wait: Callable[[], None] | None = None, logger: logging.Logger | None = None) -> None:
         if world_size > 1 and agree is None:
             raise ConfigError("loader.live with several ranks needs agree_parts, so that every rank plans the "
                               "same windows (e.g. Distributed.decided_by_main); or set loader.live = false")
@@ -52,6 +52,7 @@ class LiveWindows:
         self._extraction_done = extraction_done
         self._agree: Agree = agree or (lambda key, decide, stop: decide())
         self.status = "idle"
+        self.log = logger or log  # the loader passes its own: its status lines stay under its name
         self._on_wait = on_wait or (lambda: None)  # called per status line logged while waiting
 
     def next_window(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
@@ -70,7 +71,7 @@ class LiveWindows:
             trainable = self._training_samples(new) if new else 0
             if trainable >= self.world_size:  # (a part of a few, or only held-out, samples waits for more)
                 self.status = "reading"
-                log.info("live: epoch %d window %d plans %d newly committed part(s) (%d in all)", epoch,
+                self.log.info("live: epoch %d window %d plans %d newly committed part(s) (%d in all)", epoch,
                          len(windows), len(new), len(seen) + len(new))
                 return sorted(new)
             done = self._extraction_done()
@@ -82,16 +83,16 @@ class LiveWindows:
                                  "train on (extract more data or lower loader.holdout_fraction)")
             if done or timed_out:
                 if new:
-                    log.warning("live: %d newly committed part(s) hold %d training sample(s), too few to give each "
+                    self.log.warning("live: %d newly committed part(s) hold %d training sample(s), too few to give each "
                                 "of %d rank(s) a batch: epoch %d leaves them out (the next epoch plans them)",
                                 len(new), trainable, self.world_size, epoch)
                 if timed_out and not done:
-                    log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d "
+                    self.log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d "
                                 "parts", idle, epoch, len(seen))
                 return None
             self.status = f"waiting for new parts ({len(seen)} planned, extraction running)"
             if time.monotonic() - last_log >= max(30.0, self.cfg.live_poll_s) or last_log == 0.0:
-                log.info("live: consumed everything committed so far; %s, waited %.0f s", self.status, idle)
+                self.log.info("live: consumed everything committed so far; %s, waited %.0f s", self.status, idle)
                 last_log = time.monotonic()
                 self._on_wait()
             if stop.wait(self.cfg.live_poll_s):

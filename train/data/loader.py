@@ -169,12 +169,12 @@ class StreamingLoader:
         self.device = torch.device(device) if device is not None else None
         self.max_epochs = max_epochs
         self.counters = LoaderCounters()
-        self._quarantine = Quarantine(cfg.on_corrupt, on_change=self._quarantine_changed)
+        self._quarantine = Quarantine(cfg.on_corrupt, on_change=self._quarantine_changed, logger=log)
         self._live = None if not cfg.live else LiveWindows(
             cfg, cache.url, world_size, committed_keys=lambda: self._committed_keys(require=False),
             training_samples=self._training_samples,
             extraction_done=extraction_done or (lambda: extraction_finished(cache)), agree=agree_parts,
-            on_wait=self._live_waited)
+            on_wait=self._live_waited, logger=log)
         self.settings = PlanSettings.from_config(cfg, seed=seed, num_anchors=num_anchors, block_size=block_size,
                                                  world_size=world_size)
         self.feature_dim = int(cache.spec.feature_dim)

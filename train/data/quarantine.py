@@ -24,13 +24,16 @@ class PartKeys(Protocol):
 class Quarantine:
     """Quarantined part keys. Thread-safe: the readers add parts while the consumer reads the set.
 
-    ``on_change(keys)`` is called with the sorted keys after each new part (the loader's counters)."""
+    ``on_change(keys)`` is called with the sorted keys after each change, under the lock (keep it short: the
+    loader stores the list in its counters)."""
 
-    def __init__(self, on_corrupt: str, on_change: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(self, on_corrupt: str, on_change: Callable[[list[str]], None] | None = None,
+                 logger: logging.Logger | None = None) -> None:
         self.skip = on_corrupt == "skip"
         self._keys: set[str] = set()
         self._lock = threading.Lock()
         self._on_change = on_change or (lambda keys: None)
+        self.log = logger or log  # the loader passes its own: the warnings stay under its name
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
@@ -50,9 +53,9 @@ class Quarantine:
             if err.part is None or err.part in self._keys:
                 return
             self._keys.add(err.part)
-            keys, n = sorted(self._keys), len(self._keys)
-        self._on_change(keys)
-        log.warning("quarantined part %s for the rest of the run (loader.on_corrupt = skip; %d part(s) so far): %s",
+            n = len(self._keys)
+            self._on_change(sorted(self._keys))  # under the lock: listeners see the sets in order
+        self.log.warning("quarantined part %s for the rest of the run (loader.on_corrupt = skip; %d part(s) so far): %s",
                     err.part, n, err)
 
     def numbers_in(self, table: PartKeys) -> set[int]:
@@ -79,5 +82,4 @@ class Quarantine:
     def load_state_dict(self, keys: Sequence[str]) -> None:
         with self._lock:
             self._keys = set(keys)
-            now = sorted(self._keys)
-        self._on_change(now)
+            self._on_change(sorted(self._keys))
