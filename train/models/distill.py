@@ -40,6 +40,7 @@ from torch import Tensor
 
 from dflash_cache.errors import ConfigError
 
+from ..protocols import Drafter
 from .objective import (
     DEFAULT_CHUNK_ROWS,
     ExpDecayWeighting,
@@ -81,7 +82,7 @@ def check_loss_source(loss: str, spec: Any) -> None:
             "more per token), or train with train.loss = \"ce\"")
 
 
-def split_final_hidden(model: Any, features: Tensor) -> tuple[Tensor, Tensor | None]:
+def split_final_hidden(model: Drafter, features: Tensor) -> tuple[Tensor, Tensor | None]:
     """features [R, T, n*H (+H)] -> (the drafter's layer features [R, T, n*H], the final state [R, T, H] or
     None when the cache holds none)."""
     layers = layer_features(model, features)
@@ -210,7 +211,7 @@ def teacher_rows(final: Tensor, blocks: Any, rows: Tensor) -> Tensor:
     return final.reshape(-1, final.shape[-1])[src[rows]]
 
 
-def distill_loss(model: Any, batch: Any, objective: DistributionLoss, *, num_anchors: int = 512,
+def distill_loss(model: Drafter, batch: Any, objective: DistributionLoss, *, num_anchors: int = 512,
                  weighting: PositionWeighting | None = None, generator: torch.Generator | None = None,
                  chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LossOutput:
     """The training loss and metrics of one batch under a distribution loss: the same anchors, blocks, position
