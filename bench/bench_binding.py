@@ -30,7 +30,7 @@ from dflash_cache import open_cache
 from dflash_cache.codecs import crc32c
 from dflash_cache.synthetic import make_synthetic_cache, synthetic_lengths
 from train.config import LoaderConfig
-from train.loader import StreamingLoader
+from train.data.loader import StreamingLoader
 
 _BOUND = reader_mod.layouts_for
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import Checkpointer, Snapshot, _Snapshotter, write_checkpoint
+from train.components.checkpoint import Checkpointer, Snapshot, _Snapshotter, write_checkpoint
 from train.config import CheckpointConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"

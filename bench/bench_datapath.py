@@ -45,8 +45,8 @@ from dflash_cache.parts import PartInfo
 from dflash_cache.spec import CacheSpec, TeacherInfo
 from dflash_cache.synthetic import synthetic_lengths
 from train.config import LoaderConfig
-from train.loader import StreamingLoader, select_parts
-from train.plan import Planner, PlanSettings
+from train.data.loader import StreamingLoader, select_parts
+from train.data.plan import Planner, PlanSettings
 
 EDGES = (256, 512, 1024, 2048)
 MAX_LENGTH = 3072

@@ -33,7 +33,7 @@ def untrained_tau(cache_url: str) -> float:
     from dflash_cache import open_cache
     from dflash_cache.runtime.config import load_config
     from train.demo import _untrained_drafter
-    from train.evaluate import holdout_sample_ids, teacher_forced_eval
+    from train.tools.evaluate import holdout_sample_ids, teacher_forced_eval
 
     cfg = load_config(str(ROOT / "configs" / "tiny.toml"), [])
     cache = open_cache(cache_url)
@@ -42,7 +42,7 @@ def untrained_tau(cache_url: str) -> float:
 
 
 def train_once(cache: str, run: Path, seed: int, threads: int, path: str, steps: int) -> dict:
-    from train.metrics import read_metrics
+    from train.components.metrics import read_metrics
 
     env = dict(os.environ, ATEN_CPU_CAPABILITY=path, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "train.cli", str(ROOT / "configs" / "tiny.toml"), "--cache", cache, "--run-dir",

@@ -4,7 +4,7 @@
 Both drafters have the tiny preset's shape by default (hidden 128, 2 layers, block 8, vocabulary 768; DFlash2
 with its defaults: convolution 2/16, selector top 256 / rank 16); ``--hidden`` / ``--vocab`` change it. Rounds interleave the two families so load from other
 processes hits both alike; each round times ``--steps`` training steps (``train_step``: forward, loss, backward,
-AdamW) and ``--drafts`` block drafts (``train.evaluate.propose``: one drafter forward over a 256-token context, then
+AdamW) and ``--drafts`` block drafts (``train.tools.evaluate.propose``: one drafter forward over a 256-token context, then
 the argmax or the selector's walk). Reports the median and range over rounds, and the DFlash2 / DFlash ratios.
 Writes ``bench/results/bench_dflash2.json``.
 
@@ -25,14 +25,14 @@ import torch
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
-from train.batch import Batch
-from train.build import LossModule, build_optimizer, build_scheduler, build_selector_loss
+from train.components.guards import SpikeGuard
 from train.config import GuardsConfig, TrainConfig
-from train.estimate import estimate_run
-from train.evaluate import propose
-from train.guards import SpikeGuard
-from train.model import DFlashConfig, drafter_class
-from train.step import train_step
+from train.data.batch import Batch
+from train.loop.build import LossModule, build_optimizer, build_scheduler, build_selector_loss
+from train.loop.step import train_step
+from train.models.model import DFlashConfig, drafter_class
+from train.tools.estimate import estimate_run
+from train.tools.evaluate import propose
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"

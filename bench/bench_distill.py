@@ -1,11 +1,11 @@
 """Distribution losses: what they cost next to CE, in the training step and in the cache.
 
-* **step**: one whole fp32 CPU training step (``train.step.train_step``: forward, chunked loss, backward,
+* **step**: one whole fp32 CPU training step (``train.loop.step.train_step``: forward, chunked loss, backward,
   clipping, AdamW) of the same drafter on the same batch, with ``train.loss = ce`` and with a distribution
   loss (default ``lk_lambda``; the batch carries the teacher's final state as one more feature slot). The
   variants run interleaved (A B, B A, ...) with one intra-op thread so the load of a shared machine falls on
   both; time per step (CPU and wall), the peak of the tensors allocated during the step
-  (``train.memory.peak_memory_bytes``) plus the static weights/optimizer/batch, and their ratios.
+  (``train.components.memory.peak_memory_bytes``) plus the static weights/optimizer/batch, and their ratios.
 * **cache**: stored bytes per token of a synthetic cache (activations with outlier channels,
   ``dflash_cache.synthetic``) per codec, without and with ``final_hidden`` (one more H-wide slot per token).
 
@@ -34,14 +34,14 @@ sys.path.insert(0, str(ROOT))
 from dflash_cache.runtime.dist import Distributed  # noqa: E402
 from dflash_cache.spec import CODECS  # noqa: E402
 from dflash_cache.synthetic import make_synthetic_cache  # noqa: E402
-from train.batch import Batch  # noqa: E402
-from train.build import LossModule, build_optimizer, build_scheduler  # noqa: E402
+from train.components.guards import SpikeGuard  # noqa: E402
+from train.components.memory import peak_memory_bytes  # noqa: E402
 from train.config import GuardsConfig, TrainConfig  # noqa: E402
-from train.distill import DistributionLoss  # noqa: E402
-from train.guards import SpikeGuard  # noqa: E402
-from train.memory import peak_memory_bytes  # noqa: E402
-from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
-from train.step import train_step  # noqa: E402
+from train.data.batch import Batch  # noqa: E402
+from train.loop.build import LossModule, build_optimizer, build_scheduler  # noqa: E402
+from train.loop.step import train_step  # noqa: E402
+from train.models.distill import DistributionLoss  # noqa: E402
+from train.models.model import DFlashConfig, DFlashDrafter  # noqa: E402
 
 
 def summary(values: list[float]) -> dict[str, float]:

@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_cache.runtime.config import load_config  # noqa: E402
-from train.memory import peak_memory_bytes  # noqa: E402
-from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
-from train.objective import FlatBatch, build_blocks, dflash_loss, sample_anchors  # noqa: E402
+from train.components.memory import peak_memory_bytes  # noqa: E402
+from train.models.model import DFlashConfig, DFlashDrafter  # noqa: E402
+from train.models.objective import FlatBatch, build_blocks, dflash_loss, sample_anchors  # noqa: E402
 
 
 def make_batch(rows: int, length: int, n_feat: int, vocab: int, device: torch.device, docs: int = 2,

@@ -23,8 +23,8 @@ from dflash_cache import open_cache
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.threads import budget_cpu_threads
 from extract.teacher import load_teacher
-from train.evaluate import holdout_sample_ids, live_prompts, load_for_eval, run_live
-from train.export import cli_main as export_main
+from train.tools.evaluate import holdout_sample_ids, live_prompts, load_for_eval, run_live
+from train.tools.export import cli_main as export_main
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "bench_export_tau.json"

@@ -29,10 +29,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from dflash_cache import create_cache, open_cache
 from dflash_cache.synthetic import make_synthetic_cache, synthetic_lengths
-from train.assemble import collate
 from train.config import LoaderConfig
-from train.loader import StreamingLoader
-from train.plan import PlanSettings, build_plan
+from train.data.assemble import collate
+from train.data.loader import StreamingLoader
+from train.data.plan import PlanSettings, build_plan
 
 EDGES = (256, 512, 1024, 2048)
 TARGET_GBPS = 26_000 * 51_200 / 1e9  # 26 Ktok/s of 27B-teacher features

@@ -1,6 +1,6 @@
 """Chunked vs unchunked loss: time and peak memory at a shape where both fit on a CPU.
 
-"Unchunked" is the loss head as it was before ``train.objective.ChunkedCrossEntropy``: the
+"Unchunked" is the loss head as it was before ``train.models.objective.ChunkedCrossEntropy``: the
 full-vocabulary logits of every counted block row at once, ``F.cross_entropy`` on their ``.float()``
 copy, autograd through it, and the greedy predictions from the same logits. It is written here, as the
 reference, over the same hidden states, frozen lm_head, targets and row weights as the chunked head.
@@ -12,7 +12,7 @@ work done (the primary figure; wall time is reported beside it):
 * **head**: forward + backward of the loss head alone, hidden [N, H] -> scalar, at N counted rows, in fp32
   (the CPU training dtype) and bf16 (the GPU's autocast dtype: there the unchunked head holds bf16 logits, their
   fp32 copy and the fp32 log-softmax). Peak memory (tensors allocated while it runs,
-  ``train.memory.peak_memory_bytes``) of the same call.
+  ``train.components.memory.peak_memory_bytes``) of the same call.
 * **step**: a whole fp32 drafter step (``dflash_loss`` forward + backward through a drafter of the same
   hidden size and vocabulary) with the product's chunked head vs the same step with the unchunked head.
 
@@ -45,9 +45,9 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from train.memory import peak_memory_bytes  # noqa: E402
-from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
-from train.objective import (  # noqa: E402
+from train.components.memory import peak_memory_bytes  # noqa: E402
+from train.models.model import DFlashConfig, DFlashDrafter  # noqa: E402
+from train.models.objective import (  # noqa: E402
     FlatBatch,
     LossOutput,
     block_metrics,
@@ -86,7 +86,7 @@ def chunked_weighted_ce(hidden: Tensor, weight: Tensor, targets: Tensor, row_wei
 
 
 def unchunked_dflash_loss(model: DFlashDrafter, batch: Any, *, num_anchors: int, gamma: float | None = None) -> LossOutput:
-    """``train.objective.dflash_loss`` with the unchunked head: same anchors, blocks, weights and metrics."""
+    """``train.models.objective.dflash_loss`` with the unchunked head: same anchors, blocks, weights and metrics."""
     B = model.config.block_size
     gamma = default_gamma(B) if gamma is None else gamma
     flat = FlatBatch.of(batch)

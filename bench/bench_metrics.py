@@ -7,7 +7,7 @@ Each step writes ~45 scalars (a real step record of the tiny preset: losses, 15 
   (a private torch API; what the logger did before);
 - ``one_event_public``: the same Summary through ``torch.utils.tensorboard.writer.FileWriter`` (public);
 - ``add_scalar_each``: ``SummaryWriter.add_scalar`` once per scalar (public, one event each);
-- ``metric_logger``: :class:`train.metrics.MetricLogger` ``log()`` per step (JSONL + TensorBoard).
+- ``metric_logger``: :class:`train.components.metrics.MetricLogger` ``log()`` per step (JSONL + TensorBoard).
 
 Figures are ms per step, median of the per-round medians, with min/max over rounds; the load average
 is recorded beside them (the machine is shared).
@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from train.components.metrics import MetricLogger
 from train.config import MetricsConfig
-from train.metrics import MetricLogger
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

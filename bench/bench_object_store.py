@@ -36,7 +36,7 @@ import dflash_cache.latency_fs as latency_fs
 from dflash_cache import open_cache
 from dflash_cache.synthetic import make_synthetic_cache
 from train.config import LoaderConfig
-from train.loader import StreamingLoader
+from train.data.loader import StreamingLoader
 
 BLOCKS = {"num_anchors": 512, "block_size": 16}
 

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_cache.runtime.config import load_config  # noqa: E402
 from dflash_cache.synthetic import synthetic_lengths  # noqa: E402
-from train.estimate import DrafterShape, Precision, StepShape, memory_estimate  # noqa: E402
-from train.plan import PlanSettings, build_plan  # noqa: E402
+from train.data.plan import PlanSettings, build_plan  # noqa: E402
+from train.tools.estimate import DrafterShape, Precision, StepShape, memory_estimate  # noqa: E402
 
 GIB = 1024**3
 EDGES = np.array([256, 512, 1024, 2048])

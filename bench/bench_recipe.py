@@ -15,7 +15,7 @@ to the reference recipe (exp_decay + adamw) at the same seed. Writes ``bench/res
 
 DFlash vs DFlash2 (``model.arch``): a combination may name the family as a third part,
 ``--combos dpace+muon+dflash dpace+muon+dflash2 --reference dpace+muon+dflash``; a DFlash2 run is scored by its
-selector's teacher-forced greedy path (which is its greedy acceptance; see train/dflash2.py).
+selector's teacher-forced greedy path (which is its greedy acceptance; see train/models/dflash2.py).
 
 The figures in docs/recipe.md: ``--steps 100 --jobs 4`` (bench_recipe.json) and ``--steps 500 --seeds 1
 --jobs 2 --combos exp_decay+adamw dpace+muon --out bench/results/bench_recipe_500steps.json``, both with
@@ -42,9 +42,9 @@ import torch
 
 from dflash_cache import open_cache
 from dflash_cache.runtime.config import load_config
-from train.evaluate import holdout_sample_ids, load_for_eval, teacher_forced_eval
-from train.loop import train
-from train.metrics import read_metrics
+from train.components.metrics import read_metrics
+from train.loop.loop import train
+from train.tools.evaluate import holdout_sample_ids, load_for_eval, teacher_forced_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -85,8 +85,8 @@ def live_taus(cfg: Any, model: Any, cache: Any, ids: Any, temperatures: list[flo
     """Live speculative decoding tau on the held-out prompts at each temperature (0: greedy, checked lossless;
     > 0: speculative sampling, seeded)."""
     from extract.teacher import load_teacher
-    from train.evaluate import live_eval, live_prompts
-    from train.sampling import SamplingParams
+    from train.tools.evaluate import live_eval, live_prompts
+    from train.tools.sampling import SamplingParams
 
     teacher, tokenizer = load_teacher(cfg.teacher)
     prompts, _ = live_prompts(cache, ids, cfg.eval.live_prompts)

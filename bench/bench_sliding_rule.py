@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import torch
 
 from dflash_cache.runtime.config import load_config
-from train.model import DFlashConfig, DFlashDrafter
-from train.objective import FlatBatch, build_blocks
+from train.models.model import DFlashConfig, DFlashDrafter
+from train.models.objective import FlatBatch, build_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "bench_sliding_rule.json"

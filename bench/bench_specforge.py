@@ -60,8 +60,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_loss import unchunked_dflash_loss  # noqa: E402
 
-from train.model import DFlashConfig, DFlashDrafter  # noqa: E402
-from train.objective import (  # noqa: E402
+from train.models.model import DFlashConfig, DFlashDrafter  # noqa: E402
+from train.models.objective import (  # noqa: E402
     ExpDecayWeighting,
     FlatBatch,
     default_gamma,

@@ -3,7 +3,7 @@
 Figures are per-step medians; with ``--threads 1`` (default) the training-thread CPU time is the
 primary figure, since wall time on a shared 2-core machine swings by 2-5x with other load.
 
-The full trainer is ``train.loop.train`` (loader, guards, metrics to TensorBoard + JSONL every step,
+The full trainer is ``train.loop.loop.train`` (loader, guards, metrics to TensorBoard + JSONL every step,
 checkpoints every ``--ckpt-every`` steps, progress bar off); its per-step wall time comes from
 ``metrics.jsonl`` (``train/step_time_s``: training only, evaluation and checkpoint time excluded). The bare loop runs the same model config on the batches the
 same loader yields, already in memory. "loop" is the trainer fed those in-memory batches (its own
@@ -24,15 +24,21 @@ from pathlib import Path
 
 import torch
 
-import train.loop as loop_mod
+import train.loop.loop as loop_mod
 from dflash_cache import open_cache
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.synthetic import make_synthetic_cache
-from train.build import autocast_context, batch_stream, build_loader, build_model, build_position_weighting
-from train.loop import train
-from train.metrics import read_metrics
-from train.objective import dflash_loss
+from train.components.metrics import read_metrics
+from train.loop.build import (
+    autocast_context,
+    batch_stream,
+    build_loader,
+    build_model,
+    build_position_weighting,
+)
+from train.loop.loop import train
+from train.models.objective import dflash_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -49,17 +49,22 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_cache.runtime.config import load_config  # noqa: E402
 from dflash_cache.runtime.dist import Distributed  # noqa: E402
-from train.batch import Batch  # noqa: E402
-from train.build import (  # noqa: E402
+from train.components.guards import SpikeGuard  # noqa: E402
+from train.components.memory import PHASES, measure_train_step  # noqa: E402
+from train.config import GuardsConfig  # noqa: E402
+from train.data.batch import Batch  # noqa: E402
+from train.loop.build import (  # noqa: E402
     LossModule,
     build_optimizer,
     build_position_weighting,
     build_scheduler,
     build_selector_loss,
 )
-from train.config import GuardsConfig  # noqa: E402
-from train.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu  # noqa: E402
-from train.estimate import (  # noqa: E402
+from train.loop.step import train_step  # noqa: E402
+from train.models.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu  # noqa: E402
+from train.models.model import DFlashConfig, DFlashDrafter, drafter_class  # noqa: E402
+from train.models.objective import FlatBatch, dflash_loss, sample_anchors  # noqa: E402
+from train.tools.estimate import (  # noqa: E402
     DrafterShape,
     Precision,
     StepShape,
@@ -67,11 +72,6 @@ from train.estimate import (  # noqa: E402
     memory_estimate,
     with_dflash2_terms,
 )
-from train.guards import SpikeGuard  # noqa: E402
-from train.memory import PHASES, measure_train_step  # noqa: E402
-from train.model import DFlashConfig, DFlashDrafter, drafter_class  # noqa: E402
-from train.objective import FlatBatch, dflash_loss, sample_anchors  # noqa: E402
-from train.step import train_step  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu.json"
 # dense bf16 peak TFLOP/s by device name (for MFU); unknown devices report no MFU
@@ -141,7 +141,7 @@ def make_drafter(dcfg: DFlashConfig, device: torch.device, attention: str, check
         embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=torch.bfloat16)
         head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=torch.bfloat16) * 0.02
         model = drafter_class(dcfg)(dcfg, embed, head, attention=attention, activation_checkpointing=checkpointing)
-    for p in model.parameters():  # fp32 master weights, bf16 frozen head, as train.build.build_model does
+    for p in model.parameters():  # fp32 master weights, bf16 frozen head, as train.loop.build.build_model does
         p.data = p.data.float()
     return model.train()
 
@@ -197,7 +197,7 @@ def flex_vs_sdpa(check: Check) -> dict[str, Any]:
         res.loss.backward()
         flat = FlatBatch.of(batch)
         anchors = sample_anchors(flat.eligible, flat.docs, 64, torch.Generator().manual_seed(3))[:16]
-        from train.objective import forward_blocks
+        from train.models.objective import forward_blocks
 
         with torch.no_grad(), torch.autocast(check.device.type, dtype=torch.bfloat16,
                                              enabled=check.device.type == "cuda"):
@@ -302,7 +302,7 @@ def train_steps(check: Check, preset: str, checkpointing: bool | None = None) ->
 def loader_feed(check: Check) -> dict[str, Any]:
     """The streaming loader over a synthetic 27B-width cache on local disk, feeding the 27B-shaped drafter."""
     from dflash_cache.synthetic import make_synthetic_cache
-    from train.build import build_loader
+    from train.loop.build import build_loader
 
     dcfg, cfg = preset_drafter("qwen3.6-27b", check.dry)
     shared = check.shared.get("model_27b")

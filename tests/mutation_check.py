@@ -73,18 +73,20 @@ MUTANTS = [
                                        'if st.put(f"{self.key}/{COMMIT}", record, durable=True):'),),
            ("tests/test_cache_safety.py::test_commit_makes_the_tree_durable_then_creates_the_record_exclusively",)),
     Mutant("checkpoint-written-in-place", "checkpoints are atomic: written aside, then renamed",
-           "train/checkpoint.py", (('    tmp = root / (final.name + ".tmp")\n', "    tmp = final\n"),
-                                   ("    if final.exists():  # a torn leftover of a lost future (we resumed from an "
-                                    "earlier step)\n        shutil.rmtree(final)\n    os.replace(tmp, final)\n", "")),
+           "train/components/checkpoint.py", (('    tmp = root / (final.name + ".tmp")\n', "    tmp = final\n"),
+                                              ("    if final.exists():  # a torn leftover of a lost future (we resumed from an "
+                                               "earlier step)\n        shutil.rmtree(final)\n    os.replace(tmp, final)\n", "")),
            ("tests/test_resume_state.py::test_a_checkpoint_killed_before_its_rename_leaves_no_step_directory",)),
     Mutant("resume-forgets-guard-window", "bitwise resume: the guard's window is restored",
-           "train/state.py", (('    guard.load_state_dict(latest.state["guard"])\n', ""),),
+           "train/components/stateful.py", (("            part.load_state_dict(saved[name])\n",
+                                             "            if name != \"guard\":\n"
+                                             "                part.load_state_dict(saved[name])\n"),),
            ("tests/test_resume_state.py::test_resume_restores_every_piece_of_saved_state",)),
     Mutant("estimate-drops-sdpa-mask", "estimate: the dense path's additive masks are counted",
-           "train/estimate.py", (("sdpa_mask=mask,", "sdpa_mask=0,"),),
+           "train/tools/estimate.py", (("sdpa_mask=mask,", "sdpa_mask=0,"),),
            ("tests/test_estimate_terms.py",)),
     Mutant("estimate-drops-rope", "estimate: RoPE's cos/sin tables are counted",
-           "train/estimate.py", (("rope=rope,", "rope=0,"),),
+           "train/tools/estimate.py", (("rope=rope,", "rope=0,"),),
            ("tests/test_estimate_terms.py",)),
 ]
 

@@ -16,7 +16,7 @@ from dflash_cache.cli import main as cache_main
 from dflash_cache.errors import CacheCorruptError
 from extract.cli import main as extract_main
 from train.config import LoaderConfig
-from train.loader import StreamingLoader
+from train.data.loader import StreamingLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 N, UNIT = 40, 8

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.checkpoint import (
+from train.components.checkpoint import (
     MANIFEST_FILE,
     Checkpointer,
     CheckpointError,

@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from dflash_cache.runtime.dist import Distributed
-from train.batch import Batch
-from train.build import LossModule, build_optimizer, build_scheduler
+from train.components.guards import SpikeGuard
 from train.config import GuardsConfig, TrainConfig
-from train.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu
-from train.guards import SpikeGuard
-from train.model import DFlashConfig, DFlashDrafter, RMSNorm
-from train.step import train_step
+from train.data.batch import Batch
+from train.loop.build import LossModule, build_optimizer, build_scheduler
+from train.loop.step import train_step
+from train.models.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu
+from train.models.model import DFlashConfig, DFlashDrafter, RMSNorm
 
 PLACES = ("attention_k", "attention_q", "attention_v", "context", "final_norm", "loss_head_hidden",
           "loss_head_weight", "residual")
@@ -102,6 +102,6 @@ def test_rms_norm_matches_torch_and_its_gradient():
         assert y.dtype == dtype and torch.equal(y, F.rms_norm(x, (32,), norm.weight.to(dtype), 1e-6))
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(8, dtype=torch.float64, requires_grad=True)
-    from train.model import _RMSNormFn
+    from train.models.model import _RMSNormFn
 
     assert torch.autograd.gradcheck(lambda a, b: _RMSNormFn.apply(a, b, 1e-6), (x, w), eps=1e-3, atol=1e-2)

@@ -50,7 +50,7 @@ EXCEPTIONS = {
     ("demo.py", "teacher"): "the demo chains every stage: it extracts a cache with the teacher and evaluates "
                             "the drafter against that same teacher",
     ("evaluate.py", "teacher"): "live speculative decoding runs the teacher (the import exception of "
-                                "test_import_rules: train.evaluate uses extract.teacher)",
+                                "test_import_rules: train.tools.evaluate uses extract.teacher)",
     ("estimate.py", "teacher"): "the training memory estimate needs the teacher's shapes; teacher.hidden_size, "
                                 "vocab_size and num_layers exist for it when no cache or weights are at hand",
     ("estimate.py", "data"): "without a cache, data.max_length is the longest sample the run would see",

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from dflash_cache.store import open_cache
-from train.checkpoint import find_latest
+from train.components.checkpoint import find_latest
+from train.components.metrics import read_metrics
 from train.demo import _print_summary, next_commands, run_demo
-from train.evaluate import holdout_sample_ids
-from train.metrics import read_metrics
+from train.tools.evaluate import holdout_sample_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,9 @@ from fixtures.drafters import HIDDEN, tiny_batch, tiny_drafter
 from fixtures.trainer import run_train, small_cache
 
 from dflash_cache.errors import ConfigError
-from train.distill import (
+from train.components.memory import peak_memory_bytes
+from train.components.metrics import read_metrics
+from train.models.distill import (
     ALPHA_FLOOR,
     DistributionLoss,
     check_loss_source,
@@ -22,9 +24,7 @@ from train.distill import (
     split_final_hidden,
     teacher_rows,
 )
-from train.memory import peak_memory_bytes
-from train.metrics import read_metrics
-from train.objective import (
+from train.models.objective import (
     DPaceWeighting,
     ExpDecayWeighting,
     FlatBatch,

@@ -12,17 +12,17 @@ import torch
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
-from train.batch import Batch
-from train.build import LossModule, build_optimizer, build_scheduler
 from train.cli import main as train_cli_main
+from train.components.guards import SpikeGuard
+from train.components.memory import peak_memory_bytes
 from train.config import GuardsConfig, TrainConfig
-from train.distill import DistributionLoss, distill_loss
-from train.estimate import DrafterShape, Precision, StepShape, memory_estimate, with_distribution_loss
-from train.guards import SpikeGuard
-from train.memory import peak_memory_bytes
-from train.model import DFlashConfig, DFlashDrafter
-from train.objective import FlatBatch, sample_anchors
-from train.step import train_step
+from train.data.batch import Batch
+from train.loop.build import LossModule, build_optimizer, build_scheduler
+from train.loop.step import train_step
+from train.models.distill import DistributionLoss, distill_loss
+from train.models.model import DFlashConfig, DFlashDrafter
+from train.models.objective import FlatBatch, sample_anchors
+from train.tools.estimate import DrafterShape, Precision, StepShape, memory_estimate, with_distribution_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,12 +14,17 @@ import torch
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
-from train.batch import Batch
-from train.build import LossModule, build_optimizer, build_scheduler
 from train.cli import main as train_cli_main
+from train.components.guards import SpikeGuard
+from train.components.memory import PHASES, measure_train_step
 from train.config import GuardsConfig, TrainConfig
-from train.dtypes import cuda_autocast_rules_on_cpu
-from train.estimate import (
+from train.data.batch import Batch
+from train.loop.build import LossModule, build_optimizer, build_scheduler
+from train.loop.step import train_step
+from train.models.dtypes import cuda_autocast_rules_on_cpu
+from train.models.model import DFlashConfig, DFlashDrafter
+from train.models.objective import FlatBatch, dflash_loss, sample_anchors
+from train.tools.estimate import (
     DrafterShape,
     Precision,
     StepShape,
@@ -27,11 +32,6 @@ from train.estimate import (
     max_block_positions_bound,
     memory_estimate,
 )
-from train.guards import SpikeGuard
-from train.memory import PHASES, measure_train_step
-from train.model import DFlashConfig, DFlashDrafter
-from train.objective import FlatBatch, dflash_loss, sample_anchors
-from train.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,8 +123,8 @@ def test_estimate_matches_each_measured_phase_of_real_training_steps(shape, data
 def test_named_terms_match_the_tensors_they_count():
     """The RoPE tables, the dense path's masks, the bf16 weight copies and the checkpoint's host snapshot are
     each the bytes of the tensors the code makes for them."""
-    from train.checkpoint import take_snapshot
-    from train.objective import build_blocks
+    from train.components.checkpoint import take_snapshot
+    from train.models.objective import build_blocks
 
     shape, data, num_anchors, chunk, _ = CASES[0]
     torch.manual_seed(0)
@@ -283,7 +283,7 @@ def test_the_27b_preset_without_checkpointing_fits_an_h200(capsys):
 def test_phase_meter_reports_each_phases_peak_above_the_start():
     """The CPU meter (the profiler's memory timeline split at the marks) on work of known sizes: a phase's peak
     includes what earlier phases left alive and nothing freed before it."""
-    from train.memory import PhaseMeter
+    from train.components.memory import PhaseMeter
 
     meter = PhaseMeter("cpu")
     kept = torch.empty(2_000_000, dtype=torch.uint8)  # alive before the work: not counted

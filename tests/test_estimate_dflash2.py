@@ -12,11 +12,16 @@ from test_estimate import ROOT, _batch, _estimate, _nbytes
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
-from train.batch import Batch
-from train.build import LossModule, build_optimizer, build_scheduler, build_selector_loss
+from train.components.guards import SpikeGuard
+from train.components.memory import peak_memory_bytes
 from train.config import GuardsConfig, ModelConfig, TrainConfig
-from train.dflash2 import DFlash2Drafter, SelectorLoss, dflash2_loss
-from train.estimate import (
+from train.data.batch import Batch
+from train.loop.build import LossModule, build_optimizer, build_scheduler, build_selector_loss
+from train.loop.step import train_step
+from train.models.dflash2 import DFlash2Drafter, SelectorLoss, dflash2_loss
+from train.models.model import DFlashConfig, DFlashDrafter
+from train.models.objective import FlatBatch, sample_anchors
+from train.tools.estimate import (
     DrafterShape,
     Precision,
     StepShape,
@@ -24,11 +29,6 @@ from train.estimate import (
     memory_estimate,
     with_dflash2_terms,
 )
-from train.guards import SpikeGuard
-from train.memory import peak_memory_bytes
-from train.model import DFlashConfig, DFlashDrafter
-from train.objective import FlatBatch, sample_anchors
-from train.step import train_step
 
 PRESET = ROOT / "configs" / "qwen3.6-27b-dflash2.toml"
 

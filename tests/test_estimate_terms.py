@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from train.build import LossModule
-from train.estimate import DrafterShape, Precision, StepShape, memory_estimate
-from train.model import DFlashConfig, DFlashDrafter
-from train.objective import FlatBatch, sample_anchors
+from train.loop.build import LossModule
+from train.models.model import DFlashConfig, DFlashDrafter
+from train.models.objective import FlatBatch, sample_anchors
+from train.tools.estimate import DrafterShape, Precision, StepShape, memory_estimate
 
 SHAPES = [  # (drafter, rows, length per row, documents per row, anchors)
     (DrafterShape(hidden=64, vocab=512, n_features=3, layers=1, heads=2, kv_heads=1, head_dim=64,

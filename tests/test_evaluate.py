@@ -11,9 +11,11 @@ import torch
 from dflash_cache.runtime.config import config_to_dict
 from dflash_cache.runtime.schema import PipelineConfig
 from extract.config import TeacherConfig
-from train.checkpoint import Checkpointer
+from train.components.checkpoint import Checkpointer
 from train.config import CheckpointConfig, ModelConfig
-from train.evaluate import (
+from train.models.model import DFlashConfig, DFlashDrafter, build_drafter
+from train.models.objective import FlatBatch, build_blocks
+from train.tools.evaluate import (
     _sample_batch,
     cli_main,
     greedy_reference,
@@ -24,8 +26,6 @@ from train.evaluate import (
     speculative_decode,
     teacher_forced_eval,
 )
-from train.model import DFlashConfig, DFlashDrafter, build_drafter
-from train.objective import FlatBatch, build_blocks
 
 VOCAB, HIDDEN = 512, 64
 MODEL = dict(num_hidden_layers=1, block_size=8, mask_token_id=VOCAB - 1, num_attention_heads=4,
@@ -84,7 +84,7 @@ def test_max_blocks_stops_early(cache, drafter):
 
 
 def test_holdout_ids_follow_the_training_plan(cache):
-    from train.plan import holdout_mask
+    from train.data.plan import holdout_mask
 
     all_ids = cache.index().sample_ids
     held = holdout_sample_ids(cache, 0.3)
@@ -181,7 +181,7 @@ def test_live_decoding_is_lossless_with_an_untrained_drafter(tiny_teacher):
 def _oracle(monkeypatch, prompt, want, hits=None):
     """A drafter proposing the teacher's own continuation ``want``, right for the first ``hits[cycle]``
     drafts of each cycle (all 3 when ``hits`` is None) and wrong after."""
-    import train.evaluate as ev
+    import train.tools.evaluate as ev
 
     cycles = []
 
@@ -215,7 +215,7 @@ def test_live_tau_counts_cycles_like_the_reference(tiny_teacher, monkeypatch):
     """Cycles run while at most max_new_tokens tokens exist (one more runs when the budget is met
     exactly); a stop token ends the loop after its cycle, which counts in full; the overall tau is the
     mean of the per-prompt taus."""
-    from train.evaluate import LiveResult
+    from train.tools.evaluate import LiveResult
 
     teacher, tokenizer = tiny_teacher
     model = _live_drafter(teacher)

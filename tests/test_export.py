@@ -15,11 +15,11 @@ from safetensors import safe_open
 from dflash_cache.errors import ConfigError, SpecMismatchError
 from dflash_cache.runtime.config import config_to_dict
 from dflash_cache.runtime.schema import PipelineConfig
-from train.checkpoint import Checkpointer
+from train.components.checkpoint import Checkpointer
 from train.config import CheckpointConfig, ModelConfig
-from train.export import cli_main, config_for, expected_shapes, load_weights, resolve_checkpoint
-from train.model import DFlashConfig, build_drafter, load_drafter_dir
-from train.objective import dflash_loss
+from train.models.model import DFlashConfig, build_drafter, load_drafter_dir
+from train.models.objective import dflash_loss
+from train.tools.export import cli_main, config_for, expected_shapes, load_weights, resolve_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_8b_dflash_b16.json"
 
@@ -59,7 +59,7 @@ def test_names_shapes_and_config_match_the_released_qwen3_8b_drafter():
     spec = _spec(hidden=4096, vocab=151936, layers=(1, 9, 17, 25, 33))
     spec.teacher.num_layers = 36
     spec.mask_token_id = 151669  # recorded by dflash-extract (the 8B preset sets model.mask_token_id)
-    from train.model import drafter_config
+    from train.models.model import drafter_config
 
     mc = ModelConfig(mask_token_id=None, max_position_embeddings=40960)
     built = drafter_config(mc, spec)
@@ -72,7 +72,7 @@ def test_names_shapes_and_config_match_the_released_qwen3_8b_drafter():
 
 
 def _export_run(run: Path, out: Path, dtype: str = "float32") -> Path:
-    from train.export import export_drafter
+    from train.tools.export import export_drafter
 
     loaded = load_weights(run)
     return export_drafter(loaded.state, config_for(loaded, _spec()), out, dtype=dtype)
@@ -140,7 +140,7 @@ def test_released_drafter_dir_disagreeing_with_the_cache_names_the_field(tmp_pat
 
 def test_continue_training_from_a_released_drafter_dir(tmp_path):
     model = tiny_drafter(seed=9)
-    from train.export import export_drafter
+    from train.tools.export import export_drafter
 
     export_drafter(model.state_dict(), model.config, tmp_path / "released", dtype="float32")
     mc = _model_section(init_from=str(tmp_path / "released"))

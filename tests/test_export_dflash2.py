@@ -14,10 +14,10 @@ from test_export_hf import _greedy, _prompts, _teacher_drafter
 from test_model_dflash2 import dflash2_drafter
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from train.dflash2 import DFlash2Drafter
-from train.export import cli_main, export_drafter
-from train.model import load_drafter_dir, read_drafter_config
-from train.objective import FlatBatch, build_blocks
+from train.models.dflash2 import DFlash2Drafter
+from train.models.model import load_drafter_dir, read_drafter_config
+from train.models.objective import FlatBatch, build_blocks
+from train.tools.export import cli_main, export_drafter
 
 TRANSFORM = dict(output_multiplier=1.25, final_logit_softcapping=6.0)
 

@@ -1,6 +1,6 @@
 """The export loads the way DFlash users load a drafter: ``AutoModel.from_pretrained(dir, trust_remote_code=True)``.
 
-The shipped ``dflash.py`` must compute what ``train/model.py`` computes (same block logits, both
+The shipped ``dflash.py`` must compute what ``train/models/model.py`` computes (same block logits, both
 within-block rules of sliding layers), and its ``spec_generate`` must decode losslessly against a
 teacher loaded with ``from_pretrained``.
 """
@@ -17,9 +17,9 @@ import torch
 from fixtures.drafters import tiny_batch, tiny_drafter
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from train.export import MODELING_FILE, cli_main, export_drafter, modeling_source
-from train.model import DFlashConfig, DFlashDrafter
-from train.objective import FlatBatch, build_blocks
+from train.models.model import DFlashConfig, DFlashDrafter
+from train.models.objective import FlatBatch, build_blocks
+from train.tools.export import MODELING_FILE, cli_main, export_drafter, modeling_source
 
 SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=12)
 
@@ -67,7 +67,7 @@ def test_export_ships_the_modeling_file_and_the_engines_causality_switches(tmp_p
 
 
 def _train_block_logits(model: DFlashDrafter, batch, anchors: list[int]) -> torch.Tensor:
-    """[N, B, V] logits of train/model.py for blocks at ``anchors`` of row 0."""
+    """[N, B, V] logits of train/models/model.py for blocks at ``anchors`` of row 0."""
     blocks = build_blocks(FlatBatch.of(batch), torch.tensor(anchors), model.block_size, model.mask_token_id)
     with torch.no_grad():
         h = model(batch.features, blocks.block_ids, blocks.block_positions, blocks.layout)

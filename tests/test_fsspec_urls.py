@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dflash_cache import open_cache, verify_cache
 from extract.cli import main as extract_main
-from train.checkpoint import find_latest
 from train.cli import main as train_main
+from train.components.checkpoint import find_latest
 
 
 def test_extract_then_train_on_a_memory_url(tiny_teacher_dir, tmp_path):

@@ -9,9 +9,9 @@ import random
 import pytest
 from fixtures.trainer import run_train, small_cache
 
+from train.components.guards import SpikeGuard, robust_z
+from train.components.metrics import read_metrics
 from train.config import GuardsConfig
-from train.guards import SpikeGuard, robust_z
-from train.metrics import read_metrics
 
 
 def _warm(guard: SpikeGuard, n: int = 32, seed: int = 0) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from dflash_cache import open_cache
 from extract.cli import main as extract_main
-from train.metrics import read_metrics
+from train.components.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

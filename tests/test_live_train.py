@@ -19,9 +19,9 @@ import pytest
 from dflash_cache import open_cache
 from dflash_cache.errors import ConfigError
 from dflash_cache.runtime.config import load_config
-from train.checkpoint import list_checkpoints, read_checkpoint
-from train.metrics import read_metrics
-from train.plan import holdout_mask
+from train.components.checkpoint import list_checkpoints, read_checkpoint
+from train.components.metrics import read_metrics
+from train.data.plan import holdout_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"

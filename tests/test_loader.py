@@ -19,8 +19,8 @@ from dflash_cache import create_cache, open_cache
 from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
 from dflash_cache.synthetic import make_synthetic_cache
 from train.config import LoaderConfig
-from train.loader import StreamingLoader
-from train.plan import holdout_mask, plan_from_index
+from train.data.loader import StreamingLoader
+from train.data.plan import holdout_mask, plan_from_index
 
 N = 240
 BLOCKS = {"num_anchors": 512, "block_size": 16}  # train.num_anchors, model.block_size (the defaults)
@@ -144,7 +144,7 @@ _CHILD = """
 import sys
 from dflash_cache import open_cache
 from tests.test_loader import BLOCKS, _cfg, _digest, _run
-from train.loader import StreamingLoader
+from train.data.loader import StreamingLoader
 with StreamingLoader(open_cache(sys.argv[1]), _cfg(packing=True, num_readers=3), **BLOCKS, seed=9, max_epochs=2) as ld:
     print(_digest(_run(ld, 2)))
 """
@@ -265,9 +265,9 @@ def test_live_mode_picks_up_a_part_committed_during_the_run(tmp_path: Path, capl
 
     cfg = _cfg(live=True, live_poll_s=0.05, holdout_fraction=0.0)
     writer = threading.Thread(target=extract_more)
-    caplog.set_level(logging.INFO, logger="train.loader")
+    caplog.set_level(logging.INFO, logger="train.data.loader")
     handler = _OnWaiting()
-    logging.getLogger("train.loader").addHandler(handler)
+    logging.getLogger("train.data.loader").addHandler(handler)
     try:
         with StreamingLoader(open_cache(url), cfg, **BLOCKS, seed=0, max_epochs=2) as loader:
             writer.start()
@@ -276,7 +276,7 @@ def test_live_mode_picks_up_a_part_committed_during_the_run(tmp_path: Path, capl
             assert loader.epoch == 2
         writer.join()
     finally:
-        logging.getLogger("train.loader").removeHandler(handler)
+        logging.getLogger("train.data.loader").removeHandler(handler)
     expected = set(range(40)) | set(range(1000, 1030))
     ids = [i for b in first for i in b.sample_ids.tolist()]
     assert len(ids) == len(set(ids)) and set(ids) == expected
@@ -318,7 +318,7 @@ def test_batch_buffers_are_reused_only_once_released(cache_url: str) -> None:
 
 
 def test_buffer_pool_waits_for_views_and_device_copies() -> None:
-    from train.batch import BatchBufferPool
+    from train.data.batch import BatchBufferPool
 
     class Event:
         done = False
@@ -345,7 +345,7 @@ def test_buffer_pool_waits_for_views_and_device_copies() -> None:
 
 
 def test_each_epoch_is_planned_once_and_counted_plans_are_read(cache_url: str, monkeypatch) -> None:
-    from train import plan as plan_mod
+    from train.data import plan as plan_mod
 
     calls = []
     real = plan_mod.Planner.plan
@@ -362,7 +362,7 @@ def test_each_epoch_is_planned_once_and_counted_plans_are_read(cache_url: str, m
 
 
 def test_the_block_budget_bounds_the_objective_blocks(cache_url: str) -> None:
-    from train.objective import FlatBatch, sample_anchors
+    from train.models.objective import FlatBatch, sample_anchors
 
     anchors, block = 8, 16
     budget = 5 * (anchors * block)  # at most 5 documents of >= 9 tokens per batch; 1024 tokens would hold ~10

@@ -66,7 +66,7 @@ def run_recipe(cache: str, run_dir: Path, overrides: list[str], threads: int = 1
     import torch
 
     from train.cli import main
-    from train.metrics import read_metrics
+    from train.components.metrics import read_metrics
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -19,8 +19,8 @@ from extract.teacher import resolve_mask_token
 from extract.tiny import TINY_MASK_TOKEN_ID
 from train.cli import main as train_main
 from train.config import ModelConfig
-from train.export import load_weights
-from train.model import resolve_mask_token_id
+from train.models.model import resolve_mask_token_id
+from train.tools.export import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ["data.path=builtin:tiny-chat?n=12", "train.max_steps=2", "train.num_anchors=8", "loader.holdout_fraction=0.0",

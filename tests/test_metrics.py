@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from train.components.metrics import METRICS_FILE, MetricLogger, read_metrics
 from train.config import MetricsConfig
-from train.metrics import METRICS_FILE, MetricLogger, read_metrics
 
 
 def _tb_steps(run_dir, tag="train/loss"):

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from fixtures.drafters import tiny_batch, tiny_config, tiny_head
 from fixtures.trainer import CONFIG, ROOT, run_train, small_cache
 
-from train.dflash2 import DFlash2Drafter, GroupedDynamicConv, SelectorLoss, UnaryTopK, dflash2_loss
-from train.evaluate import cli_main as eval_main
-from train.export import cli_main as export_main
-from train.model import DFlashDrafter
-from train.objective import FlatBatch, build_blocks, default_gamma, forward_blocks, sample_anchors
+from train.models.dflash2 import DFlash2Drafter, GroupedDynamicConv, SelectorLoss, UnaryTopK, dflash2_loss
+from train.models.model import DFlashDrafter
+from train.models.objective import FlatBatch, build_blocks, default_gamma, forward_blocks, sample_anchors
+from train.tools.evaluate import cli_main as eval_main
+from train.tools.export import cli_main as export_main
 
 
 def dflash2_drafter(seed: int = 0, **overrides) -> DFlash2Drafter:
@@ -350,7 +350,7 @@ def test_a_killed_dflash2_run_resumes_bitwise(tmp_path):
     from fixtures.trainer import ROOT, train_cmd, train_env
     from test_train_run import BASE, _losses, _wait_for
 
-    from train.metrics import read_metrics
+    from train.components.metrics import read_metrics
 
     cache = small_cache(str(tmp_path / "cache"), n_samples=24)
     recipe = ("model.arch=dflash2", "model.selector_top_k=32", "train.max_steps=6", "checkpoint.every_steps=3")

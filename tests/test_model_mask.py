@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from fixtures.drafters import tiny_batch, tiny_drafter
 
-from train.model import apply_rope
-from train.objective import FlatBatch, build_blocks
+from train.models.model import apply_rope
+from train.models.objective import FlatBatch, build_blocks
 
 
 def _run(model, batch, anchors, block_ids=None):

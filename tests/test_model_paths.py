@@ -6,8 +6,8 @@ import pytest
 import torch
 from fixtures.drafters import tiny_batch, tiny_drafter
 
-from train.attention import BlockLayout, flex_available
-from train.objective import FlatBatch, dflash_loss, sample_anchors
+from train.models.attention import BlockLayout, flex_available
+from train.models.objective import FlatBatch, dflash_loss, sample_anchors
 
 pytestmark = pytest.mark.skipif(not flex_available(), reason="FlexAttention needs torch >= 2.5")
 

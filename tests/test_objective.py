@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from fixtures.drafters import tiny_batch, tiny_drafter
 
-from train.attention import BlockLayout
-from train.memory import peak_memory_bytes
-from train.objective import (
+from train.components.memory import peak_memory_bytes
+from train.models.attention import BlockLayout
+from train.models.objective import (
     Blocks,
     DPaceWeighting,
     ExpDecayWeighting,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_cache.errors import ConfigError, DataError
-from train.plan import (
+from train.data.plan import (
     Planner,
     PlanSettings,
     build_plan,
@@ -89,7 +89,7 @@ def test_plan_is_independent_of_index_order_and_deterministic() -> None:
 _CHILD = """
 import hashlib, numpy as np
 from tests.test_plan import BLOCKS, _index
-from train.plan import PlanSettings, build_plan
+from train.data.plan import PlanSettings, build_plan
 ids, lengths, buckets = _index(4000)
 p = build_plan(ids, lengths, buckets, PlanSettings(**BLOCKS, seed=11, world_size=2, tokens_per_batch=8192,
                packing=True, row_tokens=4096, holdout_fraction=0.1), epoch=1, rank=1)
@@ -182,7 +182,7 @@ def test_block_position_budget_bounds_every_batch(packing: bool) -> None:
 
 
 def test_vectorised_cut_equals_the_greedy_loop() -> None:
-    from train.plan import _cut_starts, _padded_token_end
+    from train.data.plan import _cut_starts, _padded_token_end
 
     rng = np.random.default_rng(4)
     for trial in range(40):

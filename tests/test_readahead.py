@@ -15,7 +15,7 @@ from dflash_cache import open_cache
 from dflash_cache.readahead import coalesce
 from dflash_cache.synthetic import make_synthetic_cache
 from train.config import LoaderConfig
-from train.loader import StreamingLoader
+from train.data.loader import StreamingLoader
 
 N = 400
 BLOCKS = {"num_anchors": 512, "block_size": 16}
@@ -144,7 +144,7 @@ def _parts_seen(plan, table_part: np.ndarray, bucket: int) -> list[set[int]]:
 
 
 def test_locality_plans_each_sample_once_and_keeps_to_few_parts_at_a_time(cache_path: str) -> None:
-    from train.plan import Planner, PlanSettings
+    from train.data.plan import Planner, PlanSettings
 
     index = open_cache(cache_path).index()
     part = np.asarray(index.part)

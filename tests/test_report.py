@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train.metrics import read_metrics
-from train.report import analyze, cli_main, format_report, loss_ticks, report_figure
+from train.components.metrics import read_metrics
+from train.tools.report import analyze, cli_main, format_report, loss_ticks, report_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""What a checkpoint saves comes back, piece by piece, through ``train.state.resume``; nothing is saved that
+"""What a checkpoint saves comes back, piece by piece, through ``train.components.state.resume``; nothing is saved that
 a resume does not use; a save killed before its rename leaves no ``step-N`` directory.
 
 ``tests/mutation_check.py`` breaks each of these in a copy of the repository and checks these tests fail.
@@ -19,10 +19,10 @@ from fixtures.trainer import CONFIG, ROOT, small_cache
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.spec import CacheSpec
-from train.build import build_loader, build_model, build_optimizer, build_scheduler, open_training_cache
-from train.checkpoint import Checkpointer, find_latest, list_checkpoints, read_checkpoint
-from train.guards import SpikeGuard, Verdict
-from train.state import resume, training_state
+from train.components.checkpoint import Checkpointer, find_latest, list_checkpoints, read_checkpoint
+from train.components.guards import SpikeGuard, Verdict
+from train.components.state import resume, training_components, training_state
+from train.loop.build import build_loader, build_model, build_optimizer, build_scheduler, open_training_cache
 
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",
         "loader.tokens_per_batch=512", "train.num_anchors=16"]
@@ -71,7 +71,7 @@ def test_resume_restores_every_piece_of_saved_state(tmp_path):
             guard.update(Verdict(False), 2.0 + 0.01 * (i % 5), 1.0 + 0.01 * (i % 3))
         guard.update(Verdict(True, "loss_spike"), 50.0, 1.0)
         step = 3
-        state = training_state(step, optimizer, scheduler, loader, guard, cache, d)
+        state = training_state(step, training_components(optimizer, scheduler, loader, guard, d), cache, d)
         ckpt = Checkpointer(tmp_path / "run", cfg.checkpoint, cache_fingerprint=cache.spec.fingerprint)
         ckpt.save(step, model.state_dict(), state)
         ckpt.close()
@@ -82,7 +82,8 @@ def test_resume_restores_every_piece_of_saved_state(tmp_path):
         spike = (2.0, 40.0)  # loss 2 (normal), grad norm 40x the window's median
         unjudged = SpikeGuard(cfg.guards).check(*spike)  # what a guard without the window says
         ckpt2 = Checkpointer(tmp_path / "run", cfg.checkpoint, cache_fingerprint=cache.spec.fingerprint)
-        got_step = resume(cfg.checkpoint, ckpt2, cache, model2, optimizer2, scheduler2, loader2, guard2, d)
+        got_step = resume(cfg.checkpoint, ckpt2, cache, model2,
+                          training_components(optimizer2, scheduler2, loader2, guard2, d), d)
         saved = read_checkpoint(find_latest(tmp_path / "run")).state
 
         checks = {  # every piece the checkpoint saves, and how the resumed run shows it was restored
@@ -113,7 +114,7 @@ def test_resume_restores_every_piece_of_saved_state(tmp_path):
 _SAVER = textwrap.dedent("""
     import os, sys, torch
     from train.config import CheckpointConfig
-    from train.checkpoint import WRITE_DELAY_ENV, Checkpointer
+    from train.components.checkpoint import WRITE_DELAY_ENV, Checkpointer
     ck = Checkpointer(sys.argv[1], CheckpointConfig(keep_last=3))
     ck.save(1, {"w": torch.ones(4)}, {"step": 1})
     ck.wait()

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from fixtures.trainer import ROOT, run_train, small_cache, train_cmd, train_env
 
+from train.components.metrics import MetricLogger, read_metrics
 from train.config import MetricsConfig
-from train.metrics import MetricLogger, read_metrics
-from train.report import analyze, format_report
+from train.tools.report import analyze, format_report
 
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.tokens_per_batch=512",
         "train.num_anchors=16", "loader.holdout_fraction=0.2"]

@@ -16,12 +16,12 @@ import pytest
 from fixtures.trainer import ROOT, small_cache, train_argv
 
 from dflash_cache.runtime.schema import PipelineConfig
-from train.build import lr_lambda
-from train.checkpoint import list_checkpoints, read_checkpoint
 from train.cli import main
-from train.metrics import read_metrics
-from train.rundir import Holder, RunDirError, RunDirLock
-from train.state import RESUME_RULES, resume_rule
+from train.components.checkpoint import list_checkpoints, read_checkpoint
+from train.components.metrics import read_metrics
+from train.components.rundir import Holder, RunDirError, RunDirLock
+from train.components.state import RESUME_RULES, resume_rule
+from train.loop.build import lr_lambda
 
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",
         "loader.tokens_per_batch=512", "train.num_anchors=16", "metrics.tensorboard=false"]

@@ -10,10 +10,10 @@ import hashlib
 import pytest
 import torch
 
-import train.evaluate as ev
+import train.tools.evaluate as ev
 from dflash_cache.errors import ConfigError
 from extract.config import TeacherConfig
-from train.sampling import RejectionSampler, SamplingParams, warp
+from train.tools.sampling import RejectionSampler, SamplingParams, warp
 
 DRAWS = 2000
 N_TOKENS = 3  # the joint distribution of the first three generated tokens
@@ -246,12 +246,12 @@ def test_extract_distill_then_sampled_live_eval_through_the_commands(tmp_path, c
 
 @functools.cache
 def _shipped_module():
-    """train/hf_modeling/dflash.py loaded as the engines and users load it: a standalone file."""
+    """train/models/hf_modeling/dflash.py loaded as the engines and users load it: a standalone file."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "train" / "hf_modeling" / "dflash.py"
+    path = Path(__file__).resolve().parents[1] / "train" / "models" / "hf_modeling" / "dflash.py"
     spec = importlib.util.spec_from_file_location("shipped_dflash", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up

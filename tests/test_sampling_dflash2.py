@@ -13,9 +13,9 @@ import test_sampling
 import torch
 from test_sampling import DRAWS, LAYERS, PARAMS, _shipped_module, chi_square_pvalue, draw, exact_distribution
 
-import train.evaluate as ev
-from train.dflash2 import DFlash2Drafter
-from train.sampling import RejectionSampler, warp
+import train.tools.evaluate as ev
+from train.models.dflash2 import DFlash2Drafter
+from train.tools.sampling import RejectionSampler, warp
 
 # test_sampling's fixtures: the tiny teacher, the prompt, the memoized teacher and drafter forwards
 tiny_teacher, prompt, memoized = test_sampling.tiny_teacher, test_sampling.prompt, test_sampling.memoized
@@ -143,7 +143,7 @@ def shipped_dflash2(tiny_teacher, tmp_path_factory):
 
     teacher, _ = tiny_teacher
     draft = _load(_export(dflash2_from_teacher(teacher, 3.0), tmp_path_factory.mktemp("dflash2") / "export"))
-    assert type(draft).__name__ == "DFlash2DraftModel" and type(draft).__module__ != "train.dflash2"
+    assert type(draft).__name__ == "DFlash2DraftModel" and type(draft).__module__ != "train.models.dflash2"
     return draft
 
 

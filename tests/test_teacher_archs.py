@@ -22,8 +22,8 @@ from dflash_cache.store import open_cache
 from extract.cli import main as extract_main
 from extract.tiny import TINY_MASK_TOKEN_ID, resolve_tiny_teacher
 from train.cli import main as train_main
-from train.evaluate import holdout_sample_ids
-from train.metrics import read_metrics
+from train.components.metrics import read_metrics
+from train.tools.evaluate import holdout_sample_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 3, 5]

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from train.checkpoint import find_latest, read_checkpoint
-from train.metrics import read_metrics
+from train.components.checkpoint import find_latest, read_checkpoint
+from train.components.metrics import read_metrics
 
 
 @pytest.mark.gpu
 def test_train_on_gpu_with_bf16_autocast_and_resume(tmp_path):
     from dflash_cache.runtime.config import load_config
     from dflash_cache.synthetic import make_synthetic_cache
-    from train.loop import train
+    from train.loop.loop import train
 
     cache = str(tmp_path / "cache")
     make_synthetic_cache(cache, n_samples=48, hidden_size=64, num_layers=8, target_layer_ids=(1, 3, 5),

@@ -23,9 +23,9 @@ import pytest
 import torch
 from fixtures.trainer import ROOT, run_train, small_cache, train_cmd, train_env
 
-from train.checkpoint import find_latest, list_checkpoints, read_checkpoint, validate_checkpoint
-from train.metrics import read_metrics
-from train.model import read_weights_config
+from train.components.checkpoint import find_latest, list_checkpoints, read_checkpoint, validate_checkpoint
+from train.components.metrics import read_metrics
+from train.models.model import read_weights_config
 
 # small batches keep each step (and so each subprocess run) cheap on 2 shared CPU cores
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",

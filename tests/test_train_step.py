@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from dflash_cache.runtime.dist import Distributed
-from train.batch import Batch
-from train.build import LossModule, build_loss_module, build_optimizer, build_scheduler, lr_lambda
+from train.components.guards import SpikeGuard
+from train.components.optim import CombinedOptimizer
 from train.config import GuardsConfig, TrainConfig
-from train.estimate import DrafterShape, optimizer_state_bytes
-from train.guards import SpikeGuard
-from train.model import DFlashConfig, DFlashDrafter
-from train.optim import CombinedOptimizer
-from train.step import FaultPlan, train_step
+from train.data.batch import Batch
+from train.loop.build import LossModule, build_loss_module, build_optimizer, build_scheduler, lr_lambda
+from train.loop.step import FaultPlan, train_step
+from train.models.model import DFlashConfig, DFlashDrafter
+from train.tools.estimate import DrafterShape, optimizer_state_bytes
 
 H, V, NL = 32, 64, 2
 
@@ -170,7 +170,7 @@ def test_muon_state_round_trips_bitwise():
 
 def test_the_trainers_loss_module_uses_train_logits_chunk_rows(monkeypatch):
     # the knob `dflash-train estimate` names to lower the loss head's memory must reach the loss head
-    import train.objective as objective
+    import train.models.objective as objective
 
     seen: list[int] = []
     real = objective.chunked_cross_entropy

@@ -15,13 +15,13 @@ COMMAND = Command(
     prog="dflash-train",
     module="train.run",
     subcommands={
-        "estimate": Subcommand("train.estimate", "Predict the memory, compute and time of a training step and of "
+        "estimate": Subcommand("train.tools.estimate", "Predict the memory, compute and time of a training step and of "
                                "the run before it starts, without loading any weights."),
-        "eval": Subcommand("train.evaluate", "Measure a drafter's acceptance length on held-out samples, and with "
+        "eval": Subcommand("train.tools.evaluate", "Measure a drafter's acceptance length on held-out samples, and with "
                            "--live by real speculative decoding with the teacher."),
-        "export": Subcommand("train.export", "Write a checkpoint as a Hugging Face directory that SGLang and vLLM "
+        "export": Subcommand("train.tools.export", "Write a checkpoint as a Hugging Face directory that SGLang and vLLM "
                              "load as a DFlash draft model."),
-        "report": Subcommand("train.report", "Summarise a run's logs: loss spikes, skipped steps, gaps, checkpoint "
+        "report": Subcommand("train.tools.report", "Summarise a run's logs: loss spikes, skipped steps, gaps, checkpoint "
                              "saves, evaluations and where the time went."),
     },
 )

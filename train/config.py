@@ -126,7 +126,7 @@ class TrainConfig(Section):
     loss: Literal["ce", "kl", "tv", "lk_lambda", "lk_alpha"] = "ce"
     """Per block row: `ce` on the data token; or against the teacher's distribution (needs a cache extracted
     with `cache.store_final_hidden`): `kl` forward KL, `tv` total variation, `lk_alpha` -log(acceptance
-    probability), `lk_lambda` an acceptance-adaptive KL/TV blend (LK losses; formulas in train/distill.py)."""
+    probability), `lk_lambda` an acceptance-adaptive KL/TV blend (LK losses; formulas in train/models/distill.py)."""
     loss_ce_weight: float = Field(0.0, ge=0, lt=1)
     """With a distribution `loss`: each row's loss is `w` x CE + (1 - `w`) x the distribution loss (e.g. 0.5)."""
     lk_eta: float = Field(3.0, gt=0)

@@ -41,7 +41,7 @@ def _stage(name: str, main: Any, argv: list[str]) -> None:
 def _untrained_drafter(cfg: Any, cache: ReadableCache) -> Any:
     import torch
 
-    from .model import build_drafter
+    from .models.model import build_drafter
 
     torch.manual_seed(cfg.train.seed)  # the same initialisation the trainer starts from
     return build_drafter(cfg.model, cache.spec, cache.load_head()).eval()
@@ -53,7 +53,7 @@ def evaluate(config: str, overrides: Sequence[str], cache_url: str, run_dir: Pat
     from dflash_cache.runtime.config import load_config
     from dflash_cache.runtime.threads import budget_cpu_threads
 
-    from .evaluate import holdout_sample_ids, load_for_eval, run_live, teacher_forced_eval
+    from .tools.evaluate import holdout_sample_ids, load_for_eval, run_live, teacher_forced_eval
 
     cfg = load_config(config, overrides)
     budget_cpu_threads("cpu", cfg.loader.num_readers)  # the stages' CLIs set theirs; this one runs here

@@ -1,6 +1,6 @@
 """``dflash-train CONFIG --cache CACHE --run-dir RUN``: train (or resume) a drafter.
 
-The command line only: the loop is :func:`train.loop.train`. Rerunning the same command resumes from
+The command line only: the loop is :func:`train.loop.loop.train`. Rerunning the same command resumes from
 the latest committed checkpoint in RUN.
 """
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cli_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # before torch is loaded: a typo costs no import
-    from .loop import train
+    from .loop.loop import train
 
     result = train(cfg, args.cache, args.run_dir)
     if result.checkpoint is not None:

@@ -13,7 +13,7 @@ Forward, for one batch (its R rows of T tokens flattened into one context of C =
     layer: q = q_norm(q_proj(norm1(h)))                 # queries: block rows only
            k = [k_norm(k_proj(ctx)) ; k_norm(k_proj(norm1(h)))], v likewise   # KV injection
            RoPE at document positions (context positions, p_a + 0..B-1 for the block at anchor a)
-    out   = norm(h); logits = out @ lm_head.T           # through the chunked loss (train.objective)
+    out   = norm(h); logits = out @ lm_head.T           # through the chunked loss (train.models.objective)
 
 Everything runs in the compute dtype of its input (bf16 under autocast): RMSNorm (also under CUDA autocast,
 whose op list would run it in fp32) and RoPE keep it, and
@@ -72,7 +72,7 @@ class DFlashConfig:
     # how sliding_attention layers attend within the draft block; full_attention layers are always bidirectional
     sliding_within_block: str = "bidirectional"
     attention_bias: bool = False
-    # the drafter family and its DFlash2 modules (train.dflash2); the logit transform applies to both families
+    # the drafter family and its DFlash2 modules (train.models.dflash2); the logit transform applies to both families
     arch: str = "dflash"
     conv_kernel_size: int = _MODEL_DEFAULTS.conv_kernel_size
     conv_group_size: int = _MODEL_DEFAULTS.conv_group_size
@@ -378,7 +378,7 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = DFlashMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # DFlash2: block-local dynamic convolutions around each sublayer (train.dflash2); None for DFlash
+        # DFlash2: block-local dynamic convolutions around each sublayer (train.models.dflash2); None for DFlash
         self.attention_conv: nn.Module | None = None
         self.mlp_conv: nn.Module | None = None
 

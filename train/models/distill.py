@@ -7,7 +7,7 @@ block anchored at ``a`` predicts token ``a+k``; the teacher predicted that token
 the row's teacher state is ``f[a+k-1]``. With the drafter's ``q = softmax(h @ W^T)`` for the row, the
 per-row losses (``train.loss``) are
 
-* ``ce``: ``-log q[x]`` against the data token ``x`` (the default objective, :mod:`train.objective`);
+* ``ce``: ``-log q[x]`` against the data token ``x`` (the default objective, :mod:`train.models.objective`);
 * ``kl``: forward KL, ``sum_v p_v (log p_v - log q_v)``;
 * ``tv``: total variation, ``TV = 1/2 sum_v |p_v - q_v|``;
 * ``lk_alpha``: ``-log alpha`` with ``alpha = sum_v min(p_v, q_v) = 1 - TV``, the probability that
@@ -18,7 +18,7 @@ per-row losses (``train.loss``) are
   TV (acceptance) once it is close;
 
 and a mix with CE, ``w * CE + (1 - w) * D`` (``train.loss_ce_weight = w``). The rows are combined by the
-position weighting of :mod:`train.objective` (``exp_decay`` or ``dpace``); D-PACE's per-row confidence is
+position weighting of :mod:`train.models.objective` (``exp_decay`` or ``dpace``); D-PACE's per-row confidence is
 ``alpha`` (``exp(-CE)`` for ``ce``), passed to it as ``-log alpha``.
 
 Memory: :class:`ChunkedDistillation` forms both the drafter's and the teacher's full-vocabulary logits for
@@ -40,6 +40,7 @@ from torch import Tensor
 
 from dflash_cache.errors import ConfigError
 
+from ..protocols import Drafter
 from .objective import (
     DEFAULT_CHUNK_ROWS,
     ExpDecayWeighting,
@@ -81,7 +82,7 @@ def check_loss_source(loss: str, spec: Any) -> None:
             "more per token), or train with train.loss = \"ce\"")
 
 
-def split_final_hidden(model: Any, features: Tensor) -> tuple[Tensor, Tensor | None]:
+def split_final_hidden(model: Drafter, features: Tensor) -> tuple[Tensor, Tensor | None]:
     """features [R, T, n*H (+H)] -> (the drafter's layer features [R, T, n*H], the final state [R, T, H] or
     None when the cache holds none)."""
     layers = layer_features(model, features)
@@ -210,11 +211,11 @@ def teacher_rows(final: Tensor, blocks: Any, rows: Tensor) -> Tensor:
     return final.reshape(-1, final.shape[-1])[src[rows]]
 
 
-def distill_loss(model: Any, batch: Any, objective: DistributionLoss, *, num_anchors: int = 512,
+def distill_loss(model: Drafter, batch: Any, objective: DistributionLoss, *, num_anchors: int = 512,
                  weighting: PositionWeighting | None = None, generator: torch.Generator | None = None,
                  chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LossOutput:
     """The training loss and metrics of one batch under a distribution loss: the same anchors, blocks, position
-    weighting and metrics as :func:`train.objective.dflash_loss`; adds ``alpha`` (the mean acceptance
+    weighting and metrics as :func:`train.models.objective.dflash_loss`; adds ``alpha`` (the mean acceptance
     probability of the counted rows) to the metrics."""
     B = model.config.block_size
     weighting = ExpDecayWeighting(default_gamma(B)) if weighting is None else weighting

@@ -7,7 +7,7 @@ written before the evaluation and checkpoint work that may follow it, and that w
 own: the step time and tokens/s are training figures.
 
 Exit codes: 0 done; 2 usage/config/data errors; 3 too many consecutive skipped steps
-(:class:`~train.guards.TooManySkipsError`); 130 / 143 stopped by SIGINT / SIGTERM after a checkpoint.
+(:class:`~train.components.guards.TooManySkipsError`); 130 / 143 stopped by SIGINT / SIGTERM after a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +32,17 @@ from dflash_cache.runtime.switches import env_switch
 from dflash_cache.runtime.threads import budget_cpu_threads
 from train.config import MetricsConfig
 
-from .batch import Batch
+from ..components.checkpoint import Checkpointer, find_latest
+from ..components.guards import SpikeGuard, TooManySkipsError
+from ..components.metrics import MetricLogger, StepTimer
+from ..components.multinode import RankWatch
+from ..components.rundir import RunDir
+from ..components.signals import SignalFlag, TrainingInterrupted
+from ..components.state import resume, training_components, training_state
+from ..data.batch import Batch
+from ..models.distill import check_loss_source
+from ..protocols import TrainingLoader
+from ..tools.estimate import check_fits
 from .build import (
     batch_stream,
     build_loader,
@@ -44,15 +54,6 @@ from .build import (
     open_training_cache,
     total_steps_for,
 )
-from .checkpoint import Checkpointer, find_latest
-from .distill import check_loss_source
-from .estimate import check_fits
-from .guards import SpikeGuard, TooManySkipsError
-from .metrics import MetricLogger, StepTimer
-from .multinode import RankWatch
-from .rundir import RunDir
-from .signals import SignalFlag, TrainingInterrupted
-from .state import resume, training_state
 from .step import FaultPlan, StepResult, train_step
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class HeldoutEval:
         self.skip_corrupt = skip_corrupt  # loader.on_corrupt = skip applies here too
 
     def evaluate(self, model: nn.Module) -> dict[str, Any]:
-        from .evaluate import teacher_forced_eval
+        from ..tools.evaluate import teacher_forced_eval
 
         t0 = time.perf_counter()
         res = teacher_forced_eval(model, self.cache, self.sample_ids, max_blocks=self.max_blocks,
@@ -92,7 +93,7 @@ class HeldoutEval:
 
 
 def build_heldout_eval(cfg: PipelineConfig, cache: Any) -> HeldoutEval | None:
-    from .evaluate import holdout_sample_ids
+    from ..tools.evaluate import holdout_sample_ids
 
     skip = cfg.loader.on_corrupt == "skip"
     ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction, skip_corrupt=skip)
@@ -139,7 +140,8 @@ def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed, watch: 
     resolved = config_to_dict(cfg)
     ckpt = Checkpointer(run.path, cfg.checkpoint, config=resolved, cache_fingerprint=cache.spec.fingerprint,
                         is_writer=d.is_main, model_metadata=drafter_metadata(model))
-    step = start_step = resume(cfg.checkpoint, ckpt, cache, model, optimizer, scheduler, loader, guard, d)
+    components = training_components(optimizer, scheduler, loader, guard, d)
+    step = start_step = resume(cfg.checkpoint, ckpt, cache, model, components, d)
     run.write_config(resolved, d)
     metrics = MetricLogger(run.path, cfg.metrics, resume_step=step, enabled=d.is_main, run_config=resolved)
     loss_module = build_loss_module(cfg.train, model, d)
@@ -153,7 +155,7 @@ def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed, watch: 
 
     def save(at_step: int) -> dict[str, Any]:
         metrics.flush()  # durable first: a committed checkpoint never runs ahead of its logged steps
-        state = training_state(at_step, optimizer, scheduler, loader, guard, cache, d)
+        state = training_state(at_step, components, cache, d)
         stats = ckpt.save(at_step, model.state_dict(), state)
         # blocking = waiting for the previous write (if still running) + the host snapshot
         return {"ckpt/blocking_ms": stats.blocking_ms, "ckpt/wait_ms": stats.wait_ms}
@@ -225,7 +227,7 @@ def _log_commits(metrics: MetricLogger, ckpt: Checkpointer, step: int) -> None:
         metrics.log(step, {"ckpt/write_s": write_s, "ckpt/committed_step": done_step}, kind="commit")
 
 
-def _step_record(res: StepResult, micro: Sequence[Batch], loader: Any, guard: SpikeGuard, data_wait_ms: float,
+def _step_record(res: StepResult, micro: Sequence[Batch], loader: TrainingLoader, guard: SpikeGuard, data_wait_ms: float,
                  lap: tuple[float, float], world_size: int) -> dict[str, Any]:
     """The step's training record (keys are the tags, listed in docs/metrics.md). ``lap``: wall and
     training-thread CPU seconds of the step, evaluation and checkpoint time excluded."""

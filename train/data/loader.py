@@ -1,8 +1,8 @@
 """The streaming loader: plan-ordered batches from the cache, prefetched by a pool of readers.
 
 The loader owns the *position* in the data and where batches go; the two jobs under it live in
-their own modules: :mod:`train.prefetch` (a fixed reader pool over one ordered work stream, with a
-byte-capped reorder buffer) and :mod:`train.assemble` (planned rows of samples decoded from their
+their own modules: :mod:`train.data.prefetch` (a fixed reader pool over one ordered work stream, with a
+byte-capped reorder buffer) and :mod:`train.data.assemble` (planned rows of samples decoded from their
 cache parts into one padded batch in reusable host buffers).
 
 Position = (epoch, batch index) plus the parts the current plan window was built from.
@@ -17,18 +17,14 @@ are kept (columnar, ~10 bytes per sample) and consumed when their epoch is read.
 
 Live mode (``loader.live``) follows a cache that is still being extracted: each epoch starts
 with a plan window over the parts committed at that moment; when the readers have claimed
-every batch of it they poll ``cache.parts()`` and plan the newly committed parts as the next
-window of the same epoch (batch indices continue). With nothing new they wait, logging a
-status line, until new parts come, the extraction is marked finished (``extraction_done``),
-or ``loader.live_timeout_s`` passes without a new part; then the epoch ends.
-
-With ``world_size > 1`` in live mode every rank must plan the same windows: pass ``agree_parts``
-(the trainer passes :meth:`~dflash_cache.runtime.dist.Distributed.decided_by_main`): rank 0 alone polls
-the cache and decides each window (or the end of the epoch), the other ranks take its decision.
+every batch of it, :class:`train.data.live.LiveWindows` polls for newly committed parts and they
+are planned as the next window of the same epoch (batch indices continue), or the epoch ends.
+With ``world_size > 1`` every rank must plan the same windows: pass ``agree_parts`` (the trainer
+passes :meth:`~dflash_cache.runtime.dist.Distributed.decided_by_main`).
 
 Corrupt parts (``loader.on_corrupt``): with "error" the first corrupt read stops the run; with
-"skip" the part is quarantined for the rest of the run (:meth:`StreamingLoader._produce`), its
-samples are left out of every later batch and counted, and the quarantine is part of the state.
+"skip" the part is quarantined for the rest of the run (:class:`train.data.quarantine.Quarantine`),
+its samples are left out of every later batch and counted, and the quarantine is part of the state.
 
 Batches land on ``device``: with a GPU, from pinned host buffers, copied on a side stream; a
 host buffer is refilled only after every tensor of the batch it held is gone and its copy is done.
@@ -39,7 +35,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -53,8 +48,10 @@ from train.config import LoaderConfig
 
 from .assemble import BatchAssembler, ReadFn, SampleTable, batch_nbytes
 from .batch import Batch, BatchBufferPool, padded_nbytes
+from .live import Agree, LiveWindows, extraction_finished
 from .plan import EpochPlan, PlannedBatch, Planner, PlanSettings, holdout_mask
 from .prefetch import Delivery, Prefetcher
+from .quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -144,20 +141,6 @@ def select_parts(index: Any, parts: list[str], url: str = "the cache") -> Sample
                        index.row[sel], list(index.parts))
 
 
-def extraction_finished(cache: Any) -> bool:
-    """True once ``dflash-extract`` has finished writing ``cache``: its rank 0 writes the
-    ``extract_report`` metadata document after every rank's last commit."""
-    try:
-        cache.read_metadata("extract_report")
-    except CacheError:
-        return False
-    return True
-
-
-# (key, decide, stop) -> the value of rank 0's decide() for that key, on every rank (None once stop is set)
-Agree = Callable[[str, Callable[[], Any], threading.Event], Any]
-
-
 class StreamingLoader:
     """Iterate it once per epoch: ``for batch in loader`` yields the rest of the current epoch.
 
@@ -185,11 +168,13 @@ class StreamingLoader:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device) if device is not None else None
         self.max_epochs = max_epochs
-        self._extraction_done = extraction_done or (lambda: extraction_finished(cache))
-        self._agree: Agree = agree_parts or (lambda key, decide, stop: decide())
-        if cfg.live and world_size > 1 and agree_parts is None:
-            raise ConfigError("loader.live with several ranks needs agree_parts, so that every rank plans the "
-                              "same windows (e.g. Distributed.decided_by_main); or set loader.live = false")
+        self.counters = LoaderCounters()
+        self._quarantine = Quarantine(cfg.on_corrupt, on_change=self._quarantine_changed, logger=log)
+        self._live = None if not cfg.live else LiveWindows(
+            cfg, cache.url, world_size, committed_keys=lambda: self._committed_keys(require=False),
+            training_samples=self._training_samples,
+            extraction_done=extraction_done or (lambda: extraction_finished(cache)), agree=agree_parts,
+            on_wait=self._live_waited, logger=log)
         self.settings = PlanSettings.from_config(cfg, seed=seed, num_anchors=num_anchors, block_size=block_size,
                                                  world_size=world_size)
         self.feature_dim = int(cache.spec.feature_dim)
@@ -203,11 +188,7 @@ class StreamingLoader:
         self._read_ahead = self._build_read_ahead(cache, cfg, read_fn)
         self._assembler = BatchAssembler(cache, self._pool, self.feature_dim, cfg.num_readers, read_fn,
                                          storage=self._read_ahead.view if self._read_ahead is not None else None)
-        self.counters = LoaderCounters()
         self.last_stats: BatchStats | None = None
-        self.status = "idle"
-        self._quarantine: set[str] = set()
-        self._quarantine_lock = threading.Lock()
         self._epoch, self._next_index = 0, 0
         self._windows: list[list[str]] = []  # parts of each window of the current epoch so far
         self._index: Any = None
@@ -226,6 +207,11 @@ class StreamingLoader:
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def status(self) -> str:
+        """What the loader is doing: "idle", or in live mode "reading" / "waiting for new parts (...)"."""
+        return self._live.status if self._live is not None else "idle"
 
     def __iter__(self) -> Iterator[Batch]:
         epoch = self._epoch
@@ -254,7 +240,7 @@ class StreamingLoader:
         return {
             "version": STATE_VERSION, "epoch": self._epoch, "next_index": self._next_index,
             "windows": [list(w) for w in self._windows], "window_identity": self._window_identity,
-            "quarantined": sorted(self._quarantine), "seed": self.settings.seed,
+            "quarantined": self._quarantine.state_dict(), "seed": self.settings.seed,
             "world_size": self.world_size, "rank": self.rank, "static_parts": self._static_parts,
         }
 
@@ -270,8 +256,7 @@ class StreamingLoader:
         self._epoch, self._next_index = int(state["epoch"]), int(state["next_index"])
         self._windows = [list(w) for w in state["windows"]]
         self._window_identity = state["window_identity"]
-        self._quarantine = set(state["quarantined"])
-        self.counters.quarantined_parts = sorted(self._quarantine)
+        self._quarantine.load_state_dict(state["quarantined"])
         if not self.cfg.live:
             self._static_parts = list(state["static_parts"])
         self.last_stats = None
@@ -295,7 +280,7 @@ class StreamingLoader:
         if self.cfg.on_corrupt == "skip":
             parts, bad = self.cache.scan_parts()
             for err in bad:  # a commit record that cannot be trusted: quarantined, not fatal
-                self._quarantine_part(err)
+                self._quarantine.add(err)
         else:
             parts = self.cache.parts()
         keys = sorted(p.key for p in parts)
@@ -307,10 +292,10 @@ class StreamingLoader:
     def _index_with(self, parts: list[str]) -> Any:
         """The cache index, re-read only when it lacks one of ``parts`` (live mode)."""
         idx = self._index
-        if idx is None or not set(parts) - self._quarantine <= {p.key for p in idx.parts}:
+        if idx is None or not set(parts) - set(self._quarantine.keys()) <= {p.key for p in idx.parts}:
             idx = self._index = self.cache.index(skip_corrupt=self.cfg.on_corrupt == "skip")
             for err in idx.skipped:  # unreadable small arrays or commit record: quarantined, not fatal
-                self._quarantine_part(err)
+                self._quarantine.add(err)
         return idx
 
     def _table(self, parts: list[str]) -> tuple[SampleTable, Planner]:
@@ -379,50 +364,9 @@ class StreamingLoader:
                 "cache and loader config, or start a new run")
 
     def _next_window_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
-        if not self.cfg.live:
+        if self._live is None:
             return self._static_parts if not windows else None
-        # one decision per window, by rank 0 (it alone watches the cache): every rank plans the same parts
-        return self._agree(f"live/e{epoch}/w{len(windows)}", lambda: self._poll_new_parts(epoch, windows, stop),
-                           stop)
-
-    def _poll_new_parts(self, epoch: int, windows: list[list[str]], stop: threading.Event) -> list[str] | None:
-        """The parts committed since the last window, once they give every rank a batch; None: the epoch ends
-        (extraction finished, or ``loader.live_timeout_s`` without a new part)."""
-        seen = {k for w in windows for k in w}
-        waited_since, last_log, n_new = time.monotonic(), 0.0, 0
-        while True:
-            new = [k for k in self._committed_keys(require=False) if k not in seen]
-            if len(new) > n_new:  # a part arrived: the idle clock restarts
-                waited_since, n_new = time.monotonic(), len(new)
-            trainable = self._training_samples(new) if new else 0
-            if trainable >= self.world_size:  # (a part of a few, or only held-out, samples waits for more)
-                self.status = "reading"
-                log.info("live: epoch %d window %d plans %d newly committed part(s) (%d in all)", epoch,
-                         len(windows), len(new), len(seen) + len(new))
-                return sorted(new)
-            done = self._extraction_done()
-            idle = time.monotonic() - waited_since
-            timed_out = self.cfg.live_timeout_s is not None and idle >= self.cfg.live_timeout_s
-            if done and not windows:
-                raise CacheError(f"the cache at {self.cache.url} has {trainable} training sample(s) for "
-                                 f"{self.world_size} rank(s) and its extraction is marked finished; nothing to "
-                                 "train on (extract more data or lower loader.holdout_fraction)")
-            if done or timed_out:
-                if new:
-                    log.warning("live: %d newly committed part(s) hold %d training sample(s), too few to give each "
-                                "of %d rank(s) a batch: epoch %d leaves them out (the next epoch plans them)",
-                                len(new), trainable, self.world_size, epoch)
-                if timed_out and not done:
-                    log.warning("live: no new part for %.0f s (loader.live_timeout_s); ending epoch %d with %d "
-                                "parts", idle, epoch, len(seen))
-                return None
-            self.status = f"waiting for new parts ({len(seen)} planned, extraction running)"
-            if time.monotonic() - last_log >= max(30.0, self.cfg.live_poll_s) or last_log == 0.0:
-                log.info("live: consumed everything committed so far; %s, waited %.0f s", self.status, idle)
-                last_log = time.monotonic()
-                self.counters.live_waits += 1
-            if stop.wait(self.cfg.live_poll_s):
-                return None
+        return self._live.next_window(epoch, windows, stop)
 
     def _training_samples(self, parts: list[str]) -> int:
         """Samples of ``parts`` a plan would train on (held-out ones left out)."""
@@ -474,11 +418,8 @@ class StreamingLoader:
         rows = [[int(p) for p in r] for r in planned.rows()]
         dropped = 0
         while True:
-            bad = self._quarantined_parts(win.table)
-            if bad:
-                kept = [[p for p in r if int(win.table.part[p]) not in bad] for r in rows]
-                dropped += sum(len(r) for r in rows) - sum(len(r) for r in kept)
-                rows = [r for r in kept if r]
+            rows, n = self._quarantine.drop(win.table, rows)
+            dropped += n
             if not rows:
                 return _Produced(None, dropped)
             try:
@@ -486,26 +427,15 @@ class StreamingLoader:
                                                  index=planned.index, seed=planned.seed)
                 return _Produced(batch, dropped)
             except CacheCorruptError as err:
-                if self.cfg.on_corrupt == "error" or err.part is None:
+                if not self._quarantine.skip or err.part is None:
                     raise
-                self._quarantine_part(err)
+                self._quarantine.add(err)
 
-    def _quarantined_parts(self, table: SampleTable) -> set[int]:
-        """Numbers (into ``table.parts``) of the quarantined parts."""
-        with self._quarantine_lock:
-            if not self._quarantine:
-                return set()
-            bad = set(self._quarantine)
-        return {i for i, p in enumerate(table.parts) if p.key in bad}
+    def _quarantine_changed(self, keys: list[str]) -> None:
+        self.counters.quarantined_parts = keys
 
-    def _quarantine_part(self, err: CacheCorruptError) -> None:
-        with self._quarantine_lock:
-            if err.part in self._quarantine:
-                return
-            self._quarantine.add(err.part)  # type: ignore[arg-type]
-            self.counters.quarantined_parts = sorted(self._quarantine)
-        log.warning("quarantined part %s for the rest of the run (loader.on_corrupt = skip; %d part(s) so far): %s",
-                    err.part, len(self._quarantine), err)
+    def _live_waited(self) -> None:
+        self.counters.live_waits += 1
 
     # ---------------------------------------------------------------- consuming
 

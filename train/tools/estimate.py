@@ -1,9 +1,9 @@
 """``dflash-train estimate``: what one training step costs, before a GPU hour is spent.
 
 The drafter's memory per step is counted from the shapes, term by term, the way this trainer allocates
-it (train/model.py, train/objective.py); nothing is loaded but the config (and the cache's small arrays
+it (train/models/model.py, train/models/objective.py); nothing is loaded but the config (and the cache's small arrays
 when ``--cache`` is given). Activations are in the compute dtype the config chose: the norms keep it under
-CUDA autocast too (train/model.py ``RMSNorm``) and the loss head never copies the lm_head to fp32 there.
+CUDA autocast too (train/models/model.py ``RMSNorm``) and the loss head never copies the lm_head to fp32 there.
 A step's device peak is ``static`` plus the largest of its four phases:
 
     static     fp32 master weights + optimizer moments + the frozen embedding / lm_head + the batch
@@ -213,7 +213,7 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
                     attention: Literal["flex", "sdpa"] = "flex", checkpointing: bool = False,
                     chunk_rows: int = 2048, optimizer: Optimizer = "adamw", loader_host_bytes: int = 0,
                     foreach_optimizer: bool = True) -> MemoryEstimate:
-    """One training step's memory, term by term, as train/model.py and train/objective.py allocate it.
+    """One training step's memory, term by term, as train/models/model.py and train/models/objective.py allocate it.
 
     Every activation is in the compute dtype ``c`` (bf16 under autocast: the norms keep their input's dtype,
     see ``RMSNorm``), except the norms' fp32 scale per row and the attention's fp32 log-sum-exp."""
@@ -304,7 +304,7 @@ def dflash2_params(shape: DrafterShape, model_cfg: Any) -> tuple[int, int]:
 def with_dflash2_terms(est: MemoryEstimate, shape: DrafterShape, step: StepShape, model_cfg: Any, *,
                        precision: Precision, checkpointing: bool, optimizer: Optimizer, chunk_rows: int
                        ) -> MemoryEstimate:
-    """``est`` plus what ``model.arch = "dflash2"`` adds (train.dflash2), term by term:
+    """``est`` plus what ``model.arch = "dflash2"`` adds (train.models.dflash2), term by term:
 
     * weights, gradients, optimizer state and autocast copies of :func:`dflash2_params`;
     * per layer and block position, four convolutions each saving its K-1 shifted inputs, its output and its
@@ -334,7 +334,7 @@ def with_dflash2_terms(est: MemoryEstimate, shape: DrafterShape, step: StepShape
 
 def with_distribution_loss(est: MemoryEstimate, shape: DrafterShape, step: StepShape, *,
                            precision: Precision = Precision(), chunk_rows: int = 2048) -> MemoryEstimate:
-    """``est`` under a distribution loss (``train.loss`` kl / tv / lk_*, train/distill.py): the batch carries the
+    """``est`` under a distribution loss (``train.loss`` kl / tv / lk_*, train/models/distill.py): the batch carries the
     teacher's final state (one more H-wide bf16 slot per context token); the loss head gathers the counted
     rows' teacher states (bf16, and in the compute dtype) and holds, per chunk, the second vocabulary head:
     the drafter's and the teacher's fp32 logits, the teacher's probabilities and one more fp32 [chunk, V]
@@ -484,7 +484,7 @@ def plan_figures(cfg: Any, cache: ReadableCache) -> PlanFigures:
     is read)."""
     import numpy as np
 
-    from .plan import plan_from_index
+    from ..data.plan import plan_from_index
 
     idx = cache.index()
     plan = plan_from_index(idx, cfg.loader, seed=cfg.train.seed, num_anchors=cfg.train.num_anchors,

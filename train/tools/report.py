@@ -22,8 +22,8 @@ from typing import Any
 
 from dflash_cache.errors import DFlashError
 
-from .guards import robust_z
-from .metrics import METRICS_FILE, read_metrics
+from ..components.guards import robust_z
+from ..components.metrics import METRICS_FILE, read_metrics
 
 
 @dataclass

@@ -10,7 +10,7 @@
 scheduler built on it drives both (each group from its own peak lr) and ``train_step`` stays the same for
 either choice. A guard-skipped step calls no ``step``: every part's state (AdamW moments, Muon momentum)
 stays bitwise unchanged. The checkpoint holds each part's state under its name. State size: AdamW two fp32
-moments per parameter, Muon one fp32 momentum buffer (``train.estimate.optimizer_state_bytes``).
+moments per parameter, Muon one fp32 momentum buffer (``train.tools.estimate.optimizer_state_bytes``).
 """
 
 from __future__ import annotations

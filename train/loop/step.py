@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dflash_cache.errors import ConfigError
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.switches import env_switch
 from train.config import TrainConfig
 
-from .batch import Batch
+from ..components.guards import SpikeGuard, Verdict
+from ..data.batch import Batch
+from ..protocols import Objective
 from .build import autocast_context
-from .guards import SpikeGuard, Verdict
 
 FAULTS_ENV = "DFLASH_TEST_FAULTS"
 
@@ -89,7 +90,7 @@ class StepResult:
 def train_step(
     step: int,
     micro_batches: Sequence[Batch],
-    loss_module: nn.Module,
+    loss_module: Objective,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     guard: SpikeGuard,
@@ -172,7 +173,7 @@ class MetricSums:
         # per-bucket loss of this rank's micro-batches (buckets differ between ranks)
         out["bucket_loss"] = {b: float(torch.stack(v).mean()) for b, v in self.bucket_loss.items()}
         if self.extra:
-            from .dflash2 import selector_summary
+            from ..models.dflash2 import selector_summary
 
             names = sorted(self.extra)
             packed = d.all_reduce_(torch.cat([self.extra[k].reshape(-1) for k in names])).cpu()

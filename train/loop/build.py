@@ -1,6 +1,6 @@
 """Assembly of a training run: each ``build_*`` takes its own config section and returns one component.
 
-``train.loop.train`` calls these once at start-up; tests and benchmarks call them directly.
+``train.loop.loop.train`` calls these once at start-up; tests and benchmarks call them directly.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from dflash_cache.protocols import ReadableCache
 from dflash_cache.runtime.dist import Distributed
 from train.config import LoaderConfig, ModelConfig, TrainConfig
 
-from .batch import Batch
-from .distill import DistributionLoss, distill_loss
-from .objective import (
+from ..components.optim import CombinedOptimizer, is_muon_matrix
+from ..data.batch import Batch
+from ..models.distill import DistributionLoss, distill_loss
+from ..models.objective import (
     DEFAULT_CHUNK_ROWS,
     DPaceWeighting,
     ExpDecayWeighting,
@@ -30,14 +31,14 @@ from .objective import (
     default_gamma,
     dflash_loss,
 )
-from .optim import CombinedOptimizer, is_muon_matrix
+from ..protocols import Objective, TrainingLoader
 
 log = logging.getLogger(__name__)
 
 
 def build_model(model_cfg: ModelConfig, cache: ReadableCache, device: torch.device) -> nn.Module:
     """The drafter on ``device`` in fp32 (master weights); only its own layers are trainable."""
-    from .model import build_drafter
+    from ..models.model import build_drafter
 
     model = build_drafter(model_cfg, cache.spec, cache.load_head()).to(device)
     for p in model.parameters():  # fp32 master weights; the frozen head buffers keep their dtype (memory)
@@ -50,14 +51,14 @@ def build_model(model_cfg: ModelConfig, cache: ReadableCache, device: torch.devi
 
 def drafter_metadata(model: nn.Module) -> dict[str, str]:
     """Stored in every checkpoint's model.safetensors: export needs no cache to rebuild the drafter."""
-    from .model import METADATA_KEY
+    from ..models.model import METADATA_KEY
 
     return {METADATA_KEY: model.config.to_json()}
 
 
 def build_optimizer(train_cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     """``train.optimizer``: AdamW over every trainable parameter, or Muon for the 2-D weight matrices and
-    AdamW for the rest, as one :class:`~train.optim.CombinedOptimizer` (Muon's group first)."""
+    AdamW for the rest, as one :class:`~train.components.optim.CombinedOptimizer` (Muon's group first)."""
     params = [p for p in model.parameters() if p.requires_grad]
     adamw_kw = dict(lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay)
     if train_cfg.optimizer == "adamw":
@@ -90,17 +91,17 @@ def build_scheduler(train_cfg: TrainConfig, optimizer: torch.optim.Optimizer, to
 
 
 def build_loader(loader_cfg: LoaderConfig, cache: ReadableCache, d: Distributed, *, seed: int, epochs: int,
-                 num_anchors: int, block_size: int) -> Any:
+                 num_anchors: int, block_size: int) -> TrainingLoader:
     """The streaming loader over this rank's slice of the plan (batches land on the training device).
     ``num_anchors`` (train.num_anchors) and ``block_size`` (model.block_size) size the plan's block budget."""
-    from .loader import StreamingLoader
+    from ..data.loader import StreamingLoader
 
     return StreamingLoader(cache, loader_cfg, seed=seed, num_anchors=num_anchors, block_size=block_size,
                            rank=d.rank, world_size=d.world_size, device=d.device, max_epochs=epochs,
                            agree_parts=d.decided_by_main if d.world_size > 1 else None)
 
 
-def batch_stream(loader: Any, epochs: int) -> Iterator[Batch]:
+def batch_stream(loader: TrainingLoader, epochs: int) -> Iterator[Batch]:
     """Every remaining batch of this rank, epoch after epoch (the loader yields one epoch per pass)."""
     while loader.epoch < epochs:
         yield from loader
@@ -142,13 +143,13 @@ class LossModule(nn.Module):
         self.num_anchors = num_anchors
         self.weighting = weighting
         self.chunk_rows = chunk_rows
-        self.selector: Any = None  # train.dflash2.SelectorLoss when the drafter trains through dflash2_loss
+        self.selector: Any = None  # train.models.dflash2.SelectorLoss when the drafter trains through dflash2_loss
 
-        self.distribution: DistributionLoss | None = None  # train.loss other than ce (train/distill.py)
+        self.distribution: DistributionLoss | None = None  # train.loss other than ce (train/models/distill.py)
 
     def forward(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
-        if self.selector is not None:  # DFlash2, or a drafter with a unary logit transform (train.dflash2)
-            from .dflash2 import dflash2_loss
+        if self.selector is not None:  # DFlash2, or a drafter with a unary logit transform (train.models.dflash2)
+            from ..models.dflash2 import dflash2_loss
 
             out = dflash2_loss(self.drafter, batch, num_anchors=self.num_anchors, weighting=self.weighting,
                                chunk_rows=self.chunk_rows, selector=self.selector)
@@ -161,7 +162,7 @@ class LossModule(nn.Module):
         return out.loss, out.metrics
 
 
-def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) -> nn.Module:
+def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) -> Objective:
     weighting = build_position_weighting(train_cfg, model.config.block_size)
     loss_module = LossModule(model, train_cfg.num_anchors, weighting, train_cfg.logits_chunk_rows)
     loss_module.selector = build_selector_loss(train_cfg, model)
@@ -176,7 +177,7 @@ def build_loss_module(train_cfg: TrainConfig, model: nn.Module, d: Distributed) 
 
 def build_selector_loss(train_cfg: TrainConfig, model: nn.Module) -> Any:
     """``train.selector_*`` for a drafter that trains through ``dflash2_loss`` (DFlash2, or a logit transform)."""
-    from .dflash2 import SelectorLoss, uses_dflash2_loss
+    from ..models.dflash2 import SelectorLoss, uses_dflash2_loss
 
     if not uses_dflash2_loss(model.config):
         return None

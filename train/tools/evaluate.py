@@ -40,8 +40,9 @@ from dflash_cache.runtime.threads import budget_cpu_threads
 from extract.config import TeacherConfig
 from train.config import EvalConfig
 
-from .attention import BlockLayout
-from .objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
+from ..models.attention import BlockLayout
+from ..models.objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
+from ..protocols import Drafter
 from .sampling import RejectionSampler, SamplingParams, warp
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def holdout_sample_ids(cache: ReadableCache, fraction: float, skip_corrupt: bool
     """The cache's held-out sample ids (the same rule the training plan uses to leave them out). With
     ``skip_corrupt`` (``loader.on_corrupt=skip``) parts whose commit record or small arrays cannot be
     trusted are left out, as the loader leaves them out."""
-    from .plan import holdout_mask
+    from ..data.plan import holdout_mask
 
     ids = np.asarray(cache.index(skip_corrupt=skip_corrupt).sample_ids, dtype=np.int64)
     return np.sort(ids[holdout_mask(ids, fraction)])
@@ -98,7 +99,7 @@ def _sample_batch(sample: Any, device: torch.device) -> SimpleNamespace:
 
 
 @torch.no_grad()
-def sample_metrics(model: Any, batch: Any, anchors_per_forward: int = 256) -> dict[str, Tensor] | None:
+def sample_metrics(model: Drafter, batch: Any, anchors_per_forward: int = 256) -> dict[str, Tensor] | None:
     """Greedy metrics of every eligible anchor of a batch, in forwards of at most ``anchors_per_forward``."""
     flat = FlatBatch.of(batch)
     anchors = all_anchors(flat.eligible)  # [A]
@@ -126,7 +127,7 @@ def _read_eval_samples(cache: ReadableCache, ids: list[int], skip_corrupt: bool)
     return out
 
 
-def teacher_forced_eval(model: Any, cache: ReadableCache, sample_ids: Sequence[int], *, max_blocks: int | None = None,
+def teacher_forced_eval(model: Drafter, cache: ReadableCache, sample_ids: Sequence[int], *, max_blocks: int | None = None,
                         read_batch: int = 16, skip_corrupt: bool = False) -> TeacherForcedResult:
     """Teacher-forced acceptance of ``model`` over ``sample_ids`` of ``cache`` (every eligible anchor).
     ``skip_corrupt``: leave out samples whose part fails a check instead of raising."""
@@ -232,7 +233,7 @@ def greedy_reference(teacher: Any, prompt: list[int], max_new_tokens: int, eos: 
 
 
 @torch.no_grad()
-def propose(model: Any, ctx_features: Tensor, last_token: int) -> list[int]:
+def propose(model: Drafter, ctx_features: Tensor, last_token: int) -> list[int]:
     """Greedy block draft: B-1 tokens after ``last_token`` (not yet seen by the teacher), given the
     teacher features of the P tokens before it. ctx_features [P, n*H]. DFlash2: the selector's walk."""
     if hasattr(model, "select_path"):  # DFlash2: the selector walks the block from the anchor
@@ -241,13 +242,13 @@ def propose(model: Any, ctx_features: Tensor, last_token: int) -> list[int]:
 
 
 @torch.no_grad()
-def draft_logits(model: Any, ctx_features: Tensor, last_token: int) -> Tensor:
+def draft_logits(model: Drafter, ctx_features: Tensor, last_token: int) -> Tensor:
     """The drafter's unary logits [B-1, V] for the B-1 tokens after ``last_token``. ctx_features [P, n*H]."""
     return model.logits(draft_hidden(model, ctx_features, last_token))
 
 
 @torch.no_grad()
-def draft_hidden(model: Any, ctx_features: Tensor, last_token: int) -> Tensor:
+def draft_hidden(model: Drafter, ctx_features: Tensor, last_token: int) -> Tensor:
     """The drafter's final hidden states [B-1, H] of the block rows after ``last_token``. ctx_features [P, n*H]."""
     cfg = model.config
     B, P = cfg.block_size, int(ctx_features.shape[0])
@@ -264,7 +265,7 @@ def draft_hidden(model: Any, ctx_features: Tensor, last_token: int) -> Tensor:
 
 
 @torch.no_grad()
-def speculative_decode(model: Any, teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int],
+def speculative_decode(model: Drafter, teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int],
                        layer_ids: Sequence[int]) -> LivePromptResult:
     """Greedy speculative decoding; the teacher verifies each drafted block in one forward. Cycles are
     run and counted as :data:`TAU_CONVENTION` says."""
@@ -309,7 +310,7 @@ def _teacher_logits_step(teacher: Any, ids: list[int], layer_ids: Sequence[int])
 Proposal = Callable[[Any, list[int], Tensor, int, SamplingParams, RejectionSampler], tuple[list[int], Tensor]]
 
 
-def sample_proposal(model: Any, ctx_tokens: list[int], ctx_features: Tensor, last_token: int,
+def sample_proposal(model: Drafter, ctx_tokens: list[int], ctx_features: Tensor, last_token: int,
                     params: SamplingParams, sampler: RejectionSampler) -> tuple[list[int], Tensor]:
     """The DFlash proposal: each of the B-1 block rows drawn from the drafter's warped distribution.
     Returns (drafts [B-1], their proposal distributions q [B-1, V]); another proposal (e.g. a candidate
@@ -318,7 +319,7 @@ def sample_proposal(model: Any, ctx_tokens: list[int], ctx_features: Tensor, las
     return [sampler.sample(row) for row in q], q
 
 
-def selector_proposal(model: Any, ctx_tokens: list[int], ctx_features: Tensor, last_token: int,
+def selector_proposal(model: Drafter, ctx_tokens: list[int], ctx_features: Tensor, last_token: int,
                       params: SamplingParams, sampler: RejectionSampler) -> tuple[list[int], Tensor]:
     """The DFlash2 proposal: the selector's walk, each row drawn from softmax(scores / T) over its K candidates
     given the token drawn for the row before (the anchor for the first). q [B-1, V] is that distribution on the
@@ -338,10 +339,10 @@ def selector_proposal(model: Any, ctx_tokens: list[int], ctx_features: Tensor, l
 
 
 @torch.no_grad()
-def sampled_speculative_decode(model: Any, teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int],
+def sampled_speculative_decode(model: Drafter, teacher: Any, prompt: list[int], max_new_tokens: int, eos: set[int],
                                layer_ids: Sequence[int], params: SamplingParams, sampler: RejectionSampler,
                                proposal: Proposal = sample_proposal) -> LivePromptResult:
-    """Speculative sampling (train/sampling.py): the output is distributed as the teacher's own sampling with
+    """Speculative sampling (train/tools/sampling.py): the output is distributed as the teacher's own sampling with
     ``params``. Cycles are run and counted as :data:`TAU_CONVENTION` says."""
     feats, logits = _teacher_logits_step(teacher, prompt, layer_ids)  # prefill
     seq, pending = list(prompt), sampler.sample(warp(logits[-1], params))
@@ -364,7 +365,7 @@ def sampled_speculative_decode(model: Any, teacher: Any, prompt: list[int], max_
     return LivePromptResult(len(prompt), generated[:min(stop, max_new_tokens)], cycles)
 
 
-def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new_tokens: int, eos: set[int],
+def live_eval(model: Drafter, teacher: Any, prompts: Sequence[list[int]], *, max_new_tokens: int, eos: set[int],
               layer_ids: Sequence[int], sample_ids: Sequence[int] | None = None,
               sampling: SamplingParams | None = None, seed: int = 0) -> LiveResult:
     """Speculative decoding on every prompt. Greedy (``sampling`` None or temperature 0): checked token for
@@ -410,8 +411,8 @@ def live_eval(model: Any, teacher: Any, prompts: Sequence[list[int]], *, max_new
 
 def load_for_eval(checkpoint: str, cache: ReadableCache, attention: str = "auto", device: torch.device | None = None) -> Any:
     """A drafter from a checkpoint / run dir / drafter dir, checked against ``cache`` (names the field)."""
+    from ..models.model import drafter_class
     from .export import config_for, load_weights
-    from .model import drafter_class
 
     loaded = load_weights(checkpoint)
     cfg = config_for(loaded, cache.spec)
@@ -496,7 +497,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_live(model: Any, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache: ReadableCache, sample_ids: Sequence[int],
+def run_live(model: Drafter, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache: ReadableCache, sample_ids: Sequence[int],
              prompt_source: str = "holdout", sampling: SamplingParams | None = None, seed: int = 0) -> dict[str, Any]:
     """Live speculative decoding on ``eval.live_prompts`` prompts from ``sample_ids`` (the held-out ones,
     unless the caller says otherwise in ``prompt_source``) with the teacher of ``teacher_cfg``; the ``--json``

@@ -1,6 +1,6 @@
 """The DFlash training objective: anchors, blocks, weighted CE (chunked), and exact acceptance metrics.
 
-For a batch (rows of one or more packed documents, flattened into one context; see ``train.attention``):
+For a batch (rows of one or more packed documents, flattened into one context; see ``train.models.attention``):
 
 1. **Anchors**: per *document*, ``min(num_anchors, eligible)`` positions drawn without replacement from
    its eligible ones (loss mask on at ``a`` and ``a+1``, both in the document), using a
@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from ..protocols import Drafter
 from .attention import BlockLayout, global_doc_ids
 
 # gamma of the loss weights exp(-(k-1)/gamma), as published for these block sizes.
@@ -336,21 +337,21 @@ def merge_metrics(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str
 # ----------------------------------------------------------------------------------------------
 
 
-def forward_blocks(model: Any, batch: BatchLike, flat: FlatBatch, anchors: Tensor) -> tuple[Tensor, Blocks]:
+def forward_blocks(model: Drafter, batch: BatchLike, flat: FlatBatch, anchors: Tensor) -> tuple[Tensor, Blocks]:
     """Run the drafter on the blocks at ``anchors`` [A]: final hidden states [A, B, H] and the blocks (on the
     features' device; the index work runs where ``flat`` is)."""
     cfg = model.config
     return run_blocks(model, batch, build_blocks(flat, anchors, cfg.block_size, cfg.mask_token_id))
 
 
-def layer_features(model: Any, features: Tensor) -> Tensor:
+def layer_features(model: Drafter, features: Tensor) -> Tensor:
     """The drafter's input [R, T, n*H] of cache features: a cache extracted with ``cache.store_final_hidden``
     adds the teacher's final normed state as a last H-wide slot (for the distribution losses), left out here."""
     width = len(model.config.target_layer_ids) * int(model.config.hidden_size)
     return features[..., :width] if features.shape[-1] == width + int(model.config.hidden_size) else features
 
 
-def run_blocks(model: Any, batch: BatchLike, blocks: Blocks) -> tuple[Tensor, Blocks]:
+def run_blocks(model: Drafter, batch: BatchLike, blocks: Blocks) -> tuple[Tensor, Blocks]:
     """The drafter's final hidden states [A, B, H] for ``blocks``, moved to the features' device first."""
     blocks = blocks.to(batch.features.device)
     features = layer_features(model, batch.features)  # [R, T, n*H]
@@ -358,18 +359,18 @@ def run_blocks(model: Any, batch: BatchLike, blocks: Blocks) -> tuple[Tensor, Bl
 
 
 @torch.no_grad()
-def predict_blocks(model: Any, batch: BatchLike, flat: FlatBatch, anchors: Tensor,
+def predict_blocks(model: Drafter, batch: BatchLike, flat: FlatBatch, anchors: Tensor,
                    chunk: int = DEFAULT_CHUNK_ROWS) -> tuple[Tensor, Blocks]:
     """Greedy drafts [A, B] at ``anchors`` (row k predicts token a+k) and the blocks."""
     hidden, blocks = forward_blocks(model, batch, flat, anchors)
-    if hasattr(model, "select_greedy"):  # DFlash2: the selector's teacher-forced greedy path (train.dflash2)
+    if hasattr(model, "select_greedy"):  # DFlash2: the selector's teacher-forced greedy path (train.models.dflash2)
         return model.select_greedy(hidden, blocks, chunk), blocks
     A, B, H = hidden.shape
     pred = chunked_argmax(hidden.reshape(A * B, H), model.lm_head, chunk).view(A, B)
     return pred, blocks
 
 
-def dflash_loss(model: Any, batch: BatchLike, *, num_anchors: int = 512,
+def dflash_loss(model: Drafter, batch: BatchLike, *, num_anchors: int = 512,
                 weighting: PositionWeighting | None = None, generator: torch.Generator | None = None,
                 chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LossOutput:
     """The training loss and metrics of one batch. ``weighting`` defaults to the reference recipe's exp-decay
@@ -398,7 +399,7 @@ def dflash_loss(model: Any, batch: BatchLike, *, num_anchors: int = 512,
     return LossOutput(loss=loss, metrics=metrics)
 
 
-def _empty_loss(model: Any, block_size: int) -> LossOutput:
+def _empty_loss(model: Drafter, block_size: int) -> LossOutput:
     """A batch without any eligible anchor: loss 0 that still gives every parameter a (zero) gradient, so
     data-parallel ranks stay in step."""
     device = model.lm_head.device

@@ -35,8 +35,8 @@ from dflash_cache.errors import ConfigError, SpecMismatchError
 from dflash_cache.runtime.config import validate
 from dflash_cache.runtime.schema import PipelineConfig
 
-from .checkpoint import MANIFEST_FILE
-from .model import (
+from ..components.checkpoint import MANIFEST_FILE
+from ..models.model import (
     METADATA_KEY,
     DFlashConfig,
     check_compatible,
@@ -55,7 +55,7 @@ MODELING_FILE = "dflash.py"  # the name config.json's auto_map ("dflash.DFlashDr
 
 def modeling_source() -> Path:
     """The shipped modeling file (package data: depends on torch + transformers only)."""
-    return Path(__file__).parent / "hf_modeling" / MODELING_FILE
+    return Path(__file__).parents[1] / "models" / "hf_modeling" / MODELING_FILE
 
 
 def serving_config(cfg: DFlashConfig, dtype: str) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return p
     if not p.is_dir():
         raise ConfigError(f"checkpoint {p} does not exist (expected RUN_DIR or RUN_DIR/checkpoints/step-XXXXXXXX)")
-    from .checkpoint import find_latest
+    from ..components.checkpoint import find_latest
 
     latest = find_latest(p)
     if latest is None:
@@ -115,7 +115,7 @@ def load_weights(path: str | Path) -> LoadedDrafterWeights:
         p = Path(path)
         state = from_contract_names(load_file(str(p / "model.safetensors")))
         return LoadedDrafterWeights(state, read_drafter_config(p), None, p)
-    from .checkpoint import read_checkpoint_model
+    from ..components.checkpoint import read_checkpoint_model
 
     ckpt = resolve_checkpoint(path)
     state, config, manifest = read_checkpoint_model(ckpt)

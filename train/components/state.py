@@ -19,6 +19,7 @@ from .guards import SpikeGuard
 from .metrics import METRICS_FILE, archive_metrics, read_metrics
 from .multinode import agree_on_resume, run_fingerprint
 from .optim import check_optimizer_state
+from .stateful import PerRank, StateRegistry
 
 log = logging.getLogger(__name__)
 
@@ -123,20 +124,25 @@ def check_resumable(run_dir: Path, discard_invalid: bool) -> None:
                     "training starts from step 0", run_dir, moved)
 
 
-def training_state(step: int, optimizer, scheduler, loader, guard: SpikeGuard, cache: Any,
-                   d: Distributed) -> dict[str, Any]:
-    """Everything a resume needs; the loader position is per rank (each rank reads its own slice). No RNG state:
-    training draws no global random numbers (the plan and the anchors come from generators seeded per
-    batch; dropout is 0), and tests/test_resume_state.py checks that every piece saved here is restored."""
-    return {
-        "step": step,
-        "world_size": d.world_size,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "loader": d.gather_objects(loader.state_dict()),
-        "guard": guard.state_dict(),
-        "cache_spec": cache.spec.to_dict(),
-    }
+# what the checkpoint stores beside the registered components: checked on resume, not loaded into anything
+METADATA = ("step", "world_size", "cache_spec")
+
+
+def training_components(optimizer, scheduler, loader, guard: SpikeGuard, d: Distributed) -> StateRegistry:
+    """The components a resume restores, by name; the loader position is per rank (each rank reads its own
+    slice). No RNG state: training draws no global random numbers (the plan and the anchors come from generators
+    seeded per batch; dropout is 0), and tests/test_resume_state.py checks that every piece saved is restored."""
+    return (StateRegistry(reserved=METADATA)
+            .register("optimizer", optimizer)
+            .register("scheduler", scheduler)
+            .register("loader", PerRank(loader, d))
+            .register("guard", guard))
+
+
+def training_state(step: int, components: StateRegistry, cache: Any, d: Distributed) -> dict[str, Any]:
+    """Everything a resume needs: the registered components' states under their names, and the metadata that
+    a resume checks (step, world size, the cache's spec)."""
+    return {"step": step, "world_size": d.world_size, **components.state_dict(), "cache_spec": cache.spec.to_dict()}
 
 
 def check_cache_compatible(ckpt: LoadedCheckpoint, cache: Any, ignore: bool) -> None:
@@ -161,9 +167,10 @@ def check_cache_compatible(ckpt: LoadedCheckpoint, cache: Any, ignore: bool) -> 
     )
 
 
-def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, optimizer, scheduler, loader,
-           guard: SpikeGuard, d: Distributed) -> int:
-    """Load the latest valid checkpoint of the run into every component; returns its step (0: none)."""
+def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, components: StateRegistry,
+           d: Distributed) -> int:
+    """Load the latest valid checkpoint of the run into the model and every registered component (a name
+    missing from the checkpoint or unknown to this run is refused); returns its step (0: none)."""
     latest = ckpt.load_latest()
     # every rank must start from the same step of the same run (node-local run dirs would not)
     agree_on_resume(d, 0 if latest is None else latest.step, run_fingerprint(ckpt.config, cache.spec.fingerprint),
@@ -187,15 +194,14 @@ def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, op
             f"--nproc-per-node {saved_world} (or start a new --run-dir)"
         )
     changed = check_config_compatible(latest, ckpt.config, ckpt_cfg.allow_config_change)
+    components.check(latest.state, str(latest.path))
+    optimizer, scheduler = components["optimizer"], components["scheduler"]
     check_optimizer_state(optimizer, latest.state["optimizer"], str(latest.path))
     fresh = _hyperparameters(optimizer, scheduler)  # what this run's config asks for
     model.load_state_dict(latest.model)
-    optimizer.load_state_dict(latest.state["optimizer"])
-    scheduler.load_state_dict(latest.state["scheduler"])
+    components.load_state_dict(latest.state, str(latest.path))
     if changed:  # the loaded state carries the old lr / betas / weight decay: the new config wins from here
         _apply_hyperparameters(optimizer, scheduler, fresh)
-    loader.load_state_dict(latest.state["loader"][d.rank])
-    guard.load_state_dict(latest.state["guard"])
     log.info("resumed from %s (step %d)", latest.path, latest.step)
     return latest.step
 

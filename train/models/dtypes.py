@@ -66,9 +66,9 @@ class DtypeProbe:
         self.seen.setdefault(place, set()).add(str(value).replace("torch.", ""))
 
     def __enter__(self) -> DtypeProbe:
-        import train.dflash2 as dflash2_mod  # imports head_operands by name: probed there too
-        import train.model as model_mod
-        import train.objective as objective_mod
+        import train.models.dflash2 as dflash2_mod  # imports head_operands by name: probed there too
+        import train.models.model as model_mod
+        import train.models.objective as objective_mod
 
         m = self.model
         hooks = [m.hidden_norm.register_forward_hook(lambda _m, _i, out: self._see("context", out.dtype)),

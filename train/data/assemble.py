@@ -1,9 +1,9 @@
-"""Batch assembly: planned rows of samples -> one padded :class:`~train.batch.Batch` in host memory.
+"""Batch assembly: planned rows of samples -> one padded :class:`~train.data.batch.Batch` in host memory.
 
 Each sample's features are decoded from its cache part straight into its place in the batch
 tensor (no per-sample tensors, no second copy), in pieces of a few chunks spread over decode
 threads (blosc runs without the GIL), so even one batch in flight keeps every thread busy. The
-batch tensors come from a :class:`~train.batch.BatchBufferPool` (reusable, pinned with a GPU).
+batch tensors come from a :class:`~train.data.batch.BatchBufferPool` (reusable, pinned with a GPU).
 With a ``read_fn`` (tests inject slow or failing reads with it) the samples it returns are
 collated into those buffers instead.
 """
@@ -75,7 +75,7 @@ def _init_padding(t: dict[str, torch.Tensor]) -> None:
 def collate(rows: Sequence[Sequence[SampleLike]], feature_dim: int, pin: bool = False,
             alloc: Alloc | None = None) -> dict[str, torch.Tensor]:
     """Rows of documents -> padded tensors (documents back to back within a row). ``alloc`` gives the
-    (uninitialised) tensors, e.g. from a :class:`~train.batch.BatchBufferPool`."""
+    (uninitialised) tensors, e.g. from a :class:`~train.data.batch.BatchBufferPool`."""
     R = len(rows)
     T = max(sum(int(s.input_ids.shape[0]) for s in row) for row in rows)
     t = (alloc or _fresh(feature_dim, pin))(R, T)  # features [R, T, n*H], the rest [R, T]

@@ -1,0 +1,2 @@
+"""The drafters (DFlash, DFlash2), their attention, their training objective (block losses, distillation
+losses), compute dtypes, and the modeling file shipped in every export (``hf_modeling/dflash.py``)."""

@@ -1,0 +1,1 @@
+"""Commands around training: estimate, evaluate, sample, export and report."""
