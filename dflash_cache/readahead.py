@@ -126,11 +126,13 @@ class ReadAhead:
         spare_bytes = 0  # of the ranges of the items in spare
         exhausted = False
         budget = self.settings.read_ahead_bytes
+        # room kept for widening: the walk pauses before the budget is so full that requests would be narrow
+        reserve = min(self.settings.max_request_bytes, budget) // 2
         while True:
             held = self._held_bytes()
             if not queue or held < budget // 4:
                 walked = 0
-                while (held < budget or not walked and not queue) and not self._closed:
+                while (held < budget - reserve or not walked and not queue) and not self._closed:
                     while not exhausted and spare_bytes < 2 * budget:  # the horizon: twice the budget ahead
                         step = list(itertools.islice(work, _WALK_STEP))
                         exhausted = len(step) < _WALK_STEP
