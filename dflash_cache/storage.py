@@ -509,9 +509,10 @@ class FsspecStorage(Storage):
         self.fs.invalidate_cache(p)
         try:
             entries = self.fs.ls(p, detail=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+        # (object stores list an object's own key for a key that is an object, not a "directory")
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != p.rstrip("/")})
 
     def list_files(self, prefix: str) -> dict[str, int]:
         p = self._p(prefix)
