@@ -3,7 +3,7 @@
 The loader knows its plan, so the byte ranges the next batches need are known before any decode
 thread asks for them. :class:`ReadAhead` walks the work stream ahead of the decode threads (up to
 ``read_ahead_bytes`` of compressed bytes fetched or in flight), turns each planned sample into the
-byte ranges of the shard chunks it covers, merges the ranges of a whole look-ahead group that lie
+byte ranges of the shard chunks it covers, merges the ranges of a batch and of the batches planned after it that lie
 in one shard object and are at most ``coalesce_gap_bytes`` apart into one request (at most
 ``max_request_bytes``, never splitting one sample's range), and keeps ``requests_in_flight`` such
 requests running on its own threads. Decode threads read through :class:`ReadAheadStorage`: a range
@@ -11,8 +11,14 @@ that a fetched (or in-flight) block covers is served from memory; anything else 
 as without read-ahead. The bytes are the same either way, so batches are bitwise the same and
 resume (which restarts the stream at a plan position) is unchanged.
 
-Memory is bounded: the walk stops while ``read_ahead_bytes`` are held, and a block is dropped as
-soon as every batch that needed it has been assembled. Metadata the ranges depend on (each part's
+The walk also plans the items after it (up to twice ``read_ahead_bytes`` of their ranges): a request
+for one item is widened to the ranges of the same object those next items need, and they are counted as
+the block's users, so that it stays until they are decoded; a part's samples planned close together are
+then fetched in few requests even when consecutive batches alternate between parts.
+
+Memory is bounded: the walk stops while ``read_ahead_bytes`` are held (less half a request's worth, kept
+free so that requests stay wide), and a block is dropped as soon as every batch that needed it has been
+assembled. Metadata the ranges depend on (each part's
 offsets and shard indexes) is read for all parts new to a group at once, in parallel.
 """
 
