@@ -21,6 +21,7 @@ Writes bench/results/bench_object_store.json.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
@@ -29,16 +30,45 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import dflash_cache.latency_fs as latency_fs
 from dflash_cache import open_cache
+from dflash_cache.storage import FsspecStorage
 from dflash_cache.synthetic import make_synthetic_cache
 from train.config import LoaderConfig
 from train.data.loader import StreamingLoader
 
 BLOCKS = {"num_anchors": 512, "block_size": 16}
+
+
+class RequestCount:
+    """Requests the storage layer issues for remote stores (FsspecStorage), by kind (see latency_fs._kind):
+    one call of get / get_range / get_suffix / list_dir / exists is one request."""
+
+    def __init__(self) -> None:
+        self.by_kind: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._saved = {}
+
+    def __enter__(self) -> RequestCount:
+        for name, verb in (("get", "get"), ("get_range", "get"), ("get_suffix", "get"), ("list_dir", "list"),
+                           ("exists", "head")):
+            orig = self._saved[name] = getattr(FsspecStorage, name)
+
+            def counted(storage, key, *a, _orig=orig, _verb=verb, **kw):
+                with self._lock:
+                    self.by_kind[latency_fs._kind(f"{storage.root}/{key}", _verb)] += 1
+                return _orig(storage, key, *a, **kw)
+
+            setattr(FsspecStorage, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, orig in self._saved.items():
+            setattr(FsspecStorage, name, orig)
 
 
 def _cpu() -> float:
@@ -55,21 +85,26 @@ def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality:
     cache = open_cache(url)
     stored = {p.key: p.feature_bytes / max(p.n_tokens, 1) for p in cache.parts()}
     latency_fs.reset_counters()
-    t0, c0 = time.perf_counter(), _cpu()
     tokens = samples = 0
     used = 0.0
-    with StreamingLoader(cache, cfg, **BLOCKS, seed=0, max_epochs=1) as loader:
-        for b in loader:
-            tokens += b.n_tokens
-            samples += len(b.sample_ids)
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
-        rc = loader.read_counters.as_dict()
-        index = cache.index()
-        per_token = [stored[index.parts[int(p)].key] for p in index.part]
-        used = float(sum(per_token[i] * int(index.lengths[i]) for i in range(len(per_token))))
+    with RequestCount() as count:
+        t0, c0 = time.perf_counter(), _cpu()
+        cache = open_cache(url)  # the loader's own, so that its requests are counted from the start
+        with StreamingLoader(cache, cfg, **BLOCKS, seed=0, max_epochs=1) as loader:
+            for b in loader:
+                tokens += b.n_tokens
+                samples += len(b.sample_ids)
+            wall, cpu = time.perf_counter() - t0, _cpu() - c0
+            rc = loader.read_counters.as_dict()
+            by_kind = dict(count.by_kind)
+    index = cache.index()
+    per_token = [stored[index.parts[int(p)].key] for p in index.part]
+    used = float(sum(per_token[i] * int(index.lengths[i]) for i in range(len(per_token))))
     requests = rc["requests"] if read_ahead != "off" else None
     return {"tokens_per_s": tokens / wall, "samples": samples, "tokens": tokens,
             "requests_per_sample": None if requests is None else requests / samples,
+            "all_requests_per_sample": None if requests is None else sum(by_kind.values()) / samples,
+            "requests_by_kind": by_kind,
             "read_amplification": None if requests is None else rc["bytes_fetched"] / used,
             "cpu_s_per_gb": cpu / (used / 1e9)}
 
@@ -110,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=512, help="teacher hidden size (5 layers captured)")
     ap.add_argument("--median-length", type=int, default=256)
     ap.add_argument("--samples-per-part", type=int, default=128)
+    ap.add_argument("--bucket-edges", default="256,512,1024,2048",
+                    help="length bucket edges ('' for one bucket: every part but the last is full)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--readers", type=int, default=2)
     ap.add_argument("--in-flight", type=int, default=16)
@@ -128,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     local = str(work / "cache")
     make_synthetic_cache(local, n_samples=args.samples, hidden_size=args.hidden, num_layers=8,
                          target_layer_ids=(1, 2, 3, 4, 5), median_length=args.median_length, max_length=3072,
-                         min_length=32, bucket_edges=(256, 512, 1024, 2048), samples_per_part=args.samples_per_part,
+                         min_length=32, bucket_edges=tuple(int(e) for e in args.bucket_edges.split(',') if e), samples_per_part=args.samples_per_part,
                          chunk_tokens=256, shard_tokens=16384, with_head=False, seed=1)
     stores = {"local": (local, "off", None), "latency-0ms": (f"latency://{local}", "auto", 0.0),
               "latency-20ms": (f"latency://{local}", "auto", 20.0)}
@@ -152,22 +189,36 @@ def main(argv: list[str] | None = None) -> int:
             moto.terminate()
             moto.wait(timeout=30)
     load = os.getloadavg()[0]
+
+    def read_ahead_of(name: str) -> str:
+        return stores[name][1]
+
     local_tps = statistics.median(r["tokens_per_s"] for r in runs["local"])
     local_cpu = statistics.median(r["cpu_s_per_gb"] for r in runs["local"])
     table = {}
-    print(f"{'store':14s} {'tokens/s median [range]':>30s} {'vs local':>9s} {'req/sample':>10s} {'read amp':>9s} "
-          f"{'CPU vs local':>12s}")
+    print(f"{'store':14s} {'tokens/s median [range]':>30s} {'vs local':>9s} {'feature req/sample':>22s} "
+          f"{'all req/sample':>20s} {'read amp':>9s} {'CPU vs local':>12s}")
+
+    def spread(rs: list[dict], key: str, fmt: str) -> str:
+        vals = [r[key] for r in rs if r[key] is not None]
+        if not vals:
+            return "-"
+        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}-{max(vals):{fmt}}]"
+
     for name, rs in runs.items():
         tps = [r["tokens_per_s"] for r in rs]
         med = statistics.median(tps)
         row = {"tokens_per_s_median": med, "tokens_per_s_range": [min(tps), max(tps)], "vs_local": med / local_tps,
-               "requests_per_sample": rs[-1]["requests_per_sample"], "read_amplification": rs[-1]["read_amplification"],
+               "requests_per_sample": rs[-1]["requests_per_sample"],
+               "all_requests_per_sample": rs[-1]["all_requests_per_sample"],
+               "requests_by_kind": rs[-1]["requests_by_kind"], "read_amplification": rs[-1]["read_amplification"],
                "cpu_per_byte_vs_local": statistics.median(r["cpu_s_per_gb"] for r in rs) / local_cpu, "rounds": rs}
         table[name] = row
-        rps = "-" if row["requests_per_sample"] is None else f"{row['requests_per_sample']:.3f}"
-        amp = "-" if row["read_amplification"] is None else f"{row['read_amplification']:.2f}"
-        print(f"{name:14s} {med:12.0f} [{min(tps):.0f}-{max(tps):.0f}] {row['vs_local']:9.2f} {rps:>10s} {amp:>9s} "
-              f"{row['cpu_per_byte_vs_local']:12.2f}")
+        print(f"{name:14s} {med:12.0f} [{min(tps):.0f}-{max(tps):.0f}] {row['vs_local']:9.2f} "
+              f"{spread(rs, 'requests_per_sample', '.3f'):>22s} {spread(rs, 'all_requests_per_sample', '.3f'):>20s} "
+              f"{spread(rs, 'read_amplification', '.2f'):>9s} {row['cpu_per_byte_vs_local']:12.2f}")
+        if row["requests_by_kind"] and read_ahead_of(name) != "off":
+            print(f"{'':14s} requests by kind (last round): {row['requests_by_kind']}")
     print(f"load average {load:.1f}; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "
           f"{args.readers} readers, {args.in_flight} requests in flight, read-ahead {args.read_ahead_mib} MiB, "
           f"locality_parts {args.locality_parts} (runs of {args.locality_run_samples}), latency:// cap {args.mbps} MB/s per stream")

@@ -17,6 +17,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 PROTOCOL = "latency"
+_listing = threading.local()
 
 
 class _Model:
@@ -28,6 +29,26 @@ class _Model:
     bytes_read = 0
     in_flight = 0
     max_in_flight = 0  # the most data requests running at once
+    by_kind: dict[str, int] = {}  # every request by what it reads (see _kind)
+
+
+def _kind(path: str, verb: str) -> str:
+    """``feature range`` (a range of a feature or scales shard, a shard index included), ``small array``
+    (sample_ids, offsets, input_ids, loss_mask), ``commit record``, ``list``, ``head`` or ``other``
+    (zarr.json documents, leases)."""
+    if verb != "get":
+        return verb
+    if "/features/c/" in path or "/scales/c/" in path:
+        return "feature range"
+    if "/c/" in path:
+        return "small array"
+    return "commit record" if path.endswith("commit.json") else "other"
+
+
+def _count(path: Any, verb: str) -> None:
+    kind = _kind(str(path), verb)
+    with _Model.lock:
+        _Model.by_kind[kind] = _Model.by_kind.get(kind, 0) + 1
 
 
 def configure(latency_ms: float, mbps: float) -> None:
@@ -35,14 +56,15 @@ def configure(latency_ms: float, mbps: float) -> None:
     _Model.latency_s, _Model.bytes_per_s = latency_ms / 1000, mbps * 1e6
 
 
-def counters() -> dict[str, int]:
+def counters() -> dict[str, Any]:
     return {"requests": _Model.requests, "metadata_requests": _Model.metadata_requests,
-            "bytes_read": _Model.bytes_read, "max_in_flight": _Model.max_in_flight}
+            "bytes_read": _Model.bytes_read, "max_in_flight": _Model.max_in_flight, "by_kind": dict(_Model.by_kind)}
 
 
 def reset_counters() -> None:
     with _Model.lock:
         _Model.requests = _Model.metadata_requests = _Model.bytes_read = _Model.max_in_flight = 0
+        _Model.by_kind = {}
 
 
 def _wait(nbytes: int, started: float) -> None:
@@ -69,6 +91,7 @@ class LatencyFileSystem(LocalFileSystem):
             _Model.in_flight += 1
             _Model.max_in_flight = max(_Model.max_in_flight, _Model.in_flight)
         try:
+            _count(path, "get")
             data = super().cat_file(path, start=start, end=end, **kwargs)
             with _Model.lock:
                 _Model.requests += 1
@@ -80,7 +103,10 @@ class LatencyFileSystem(LocalFileSystem):
         return data
 
     def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        if getattr(_listing, "on", False):  # the local listing's own stat: part of the one LIST request
+            return super().info(path, **kwargs)
         t0 = time.perf_counter()
+        _count(path, "head")
         out = super().info(path, **kwargs)
         with _Model.lock:
             _Model.metadata_requests += 1
@@ -89,7 +115,12 @@ class LatencyFileSystem(LocalFileSystem):
 
     def ls(self, path: Any, detail: bool = False, **kwargs: Any) -> list[Any]:
         t0 = time.perf_counter()
-        out = super().ls(path, detail=detail, **kwargs)
+        _count(path, "list")
+        _listing.on = True
+        try:
+            out = super().ls(path, detail=detail, **kwargs)
+        finally:
+            _listing.on = False
         with _Model.lock:
             _Model.metadata_requests += 1
         _wait(0, t0)

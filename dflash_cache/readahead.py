@@ -3,7 +3,7 @@
 The loader knows its plan, so the byte ranges the next batches need are known before any decode
 thread asks for them. :class:`ReadAhead` walks the work stream ahead of the decode threads (up to
 ``read_ahead_bytes`` of compressed bytes fetched or in flight), turns each planned sample into the
-byte ranges of the shard chunks it covers, merges the ranges of a whole look-ahead group that lie
+byte ranges of the shard chunks it covers, merges the ranges of a batch and of the batches planned after it that lie
 in one shard object and are at most ``coalesce_gap_bytes`` apart into one request (at most
 ``max_request_bytes``, never splitting one sample's range), and keeps ``requests_in_flight`` such
 requests running on its own threads. Decode threads read through :class:`ReadAheadStorage`: a range
@@ -11,8 +11,14 @@ that a fetched (or in-flight) block covers is served from memory; anything else 
 as without read-ahead. The bytes are the same either way, so batches are bitwise the same and
 resume (which restarts the stream at a plan position) is unchanged.
 
-Memory is bounded: the walk stops while ``read_ahead_bytes`` are held, and a block is dropped as
-soon as every batch that needed it has been assembled. Metadata the ranges depend on (each part's
+The walk also plans the items after it (up to twice ``read_ahead_bytes`` of their ranges): a request
+for one item is widened to the ranges of the same object those next items need, and they are counted as
+the block's users, so that it stays until they are decoded; a part's samples planned close together are
+then fetched in few requests even when consecutive batches alternate between parts.
+
+Memory is bounded: the walk stops while ``read_ahead_bytes`` are held (less half a request's worth, kept
+free so that requests stay wide), and a block is dropped as soon as every batch that needed it has been
+assembled. Metadata the ranges depend on (each part's
 offsets and shard indexes) is read for all parts new to a group at once, in parallel.
 """
 
@@ -106,7 +112,9 @@ class ReadAhead:
                                                            thread_name_prefix="dflash-fetch")
         self._lock = threading.Lock()
         self._blocks: dict[str, list[_Block]] = collections.defaultdict(list)
-        self._of_item: dict[int, list[_Block]] = {}
+        self._of_item: dict[int, list[_Block]] = {}  # the blocks each walked item uses (a user of each)
+        self._pending: dict[int, list[_Block]] = {}  # blocks that items not yet walked are counted users of
+        self._planned: dict[int, list[Range]] = {}  # the ranges of the items planned, not yet walked
         self._held = 0  # bytes of blocks not yet dropped
         self.max_held = 0  # the most ever held (bounded by read_ahead_bytes plus one walk step)
         self._closed = False
@@ -116,31 +124,37 @@ class ReadAhead:
 
     def wrap(self, work: Iterator[T]) -> Iterator[T]:
         """``work`` in the same order, fetched ahead. Refills when less than a quarter of the budget is held,
-        then walks until the budget is reached: each refill is one group, coalesced together."""
+        then walks until the budget is reached. The items after the walk (up to ``read_ahead_bytes`` of their
+        ranges: the horizon) are planned too, so that a request for one item also covers the ranges that the
+        next items need from the same object (see :meth:`_issue`)."""
         queue: collections.deque[T] = collections.deque()  # issued, not yet handed out
         spare: collections.deque[T] = collections.deque()  # metadata loaded, not yet issued
+        spare_bytes = 0  # of the ranges of the items in spare
         exhausted = False
         budget = self.settings.read_ahead_bytes
+        # room kept for widening: the walk pauses before the budget is so full that requests would be narrow
+        reserve = min(self.settings.max_request_bytes, budget) // 2
         while True:
             held = self._held_bytes()
             if not queue or held < budget // 4:
-                group: list[T] = []
-                ranges: list[list[Range]] = []
-                while (held < budget or not group and not queue) and not self._closed:
-                    if not spare and not exhausted:
+                walked = 0
+                while (held < budget - reserve or not walked and not queue) and not self._closed:
+                    while not exhausted and spare_bytes < 2 * budget:  # the horizon: twice the budget ahead
                         step = list(itertools.islice(work, _WALK_STEP))
                         exhausted = len(step) < _WALK_STEP
                         if self._prepare is not None and step:
                             self._prepare(step)  # metadata of the parts new to these items, in parallel
+                        for item in step:
+                            self._planned[id(item)] = rs = self._ranges_of(item)
+                            spare_bytes += sum(hi - lo for _, lo, hi in rs)
                         spare.extend(step)
                     if not spare:
                         break
-                    group.append(spare.popleft())
-                    ranges.append(self._ranges_of(group[-1]))
-                    held += sum(hi - lo for _, lo, hi in ranges[-1])
-                if group:
-                    self._issue(group, ranges)
-                    queue.extend(group)
+                    item = spare.popleft()
+                    spare_bytes -= sum(hi - lo for _, lo, hi in self._planned[id(item)])
+                    held = self._issue(item, spare, budget)
+                    queue.append(item)
+                    walked += 1
             if not queue:
                 return
             yield queue.popleft()
@@ -153,27 +167,63 @@ class ReadAhead:
         """``fn`` over ``args`` on the fetch threads (metadata reads of a group, in parallel)."""
         return list(self._pool.map(fn, args))
 
-    def _issue(self, group: list[Any], per_item: list[list[Range]]) -> None:
+    def _issue(self, item: Any, horizon: Iterable[Any], budget: int) -> int:
+        """Attach ``item`` to the blocks that hold its ranges, requesting the ranges no block holds. Each
+        request is widened to the ranges of the same object that the items of ``horizon`` (the next ones,
+        in order) need, merged while at most ``coalesce_gap_bytes`` apart and within ``max_request_bytes``
+        and the budget left; those items are counted as the block's users from then on, so that it stays
+        until they are decoded. Returns the bytes held."""
         s = self.settings
         # (gaps read with a merge are held too: small budgets merge only small gaps)
         gap = min(s.coalesce_gap_bytes, s.read_ahead_bytes // 64)
-        merged = coalesce((r for rs in per_item for r in rs), gap, min(s.max_request_bytes, s.read_ahead_bytes))
-        blocks: dict[str, list[_Block]] = collections.defaultdict(list)
-        for key, lo, hi in merged:
-            blocks[key].append(_Block(key, lo, hi, self._pool.submit(self._fetch, key, lo, hi), 0))
+        cap = min(s.max_request_bytes, s.read_ahead_bytes)
+        ranges = self._planned.pop(id(item), None)
+        if ranges is None:  # (planned before a reset)
+            ranges = self._ranges_of(item)
         with self._lock:
-            for item, ranges in zip(group, per_item, strict=True):
-                mine: list[_Block] = []
-                for key, lo, hi in ranges:
-                    b = next(b for b in blocks[key] if b.lo <= lo and hi <= b.hi)
-                    if b not in mine:
-                        b.users += 1
-                        mine.append(b)
-                self._of_item[id(item)] = mine
-            for key, bs in blocks.items():
-                self._blocks[key] += bs
-                self._held += sum(b.hi - b.lo for b in bs)
+            mine = self._pending.pop(id(item), [])
+            missing: list[Range] = []
+            for key, lo, hi in ranges:
+                if any(b.lo <= lo and hi <= b.hi for b in mine if b.key == key):
+                    continue
+                b = next((b for b in self._blocks.get(key, ()) if b.lo <= lo and hi <= b.hi), None)
+                if b is None:
+                    missing.append((key, lo, hi))
+                else:
+                    b.users += 1
+                    mine.append(b)
+            held = self._held
+        ahead: list[tuple[Any, list[Range]]] = []
+        if missing:
+            keys = {k for k, _, _ in missing}
+            for other in horizon:
+                rs = [r for r in self._planned.get(id(other), ()) if r[0] in keys]
+                if rs:
+                    ahead.append((other, rs))
+        new: list[_Block] = []
+        for key, lo, hi in coalesce(missing, gap, cap):
+            if any(b.key == key and b.lo <= lo and hi <= b.hi for b in new):
+                continue
+            room = max(budget - held, hi - lo)
+            wide = [(k, a, z) for _, rs in ahead for k, a, z in rs if k == key]
+            wide = [r for r in coalesce([(key, lo, hi), *wide], gap, min(cap, room)) if r[1] <= lo and hi <= r[2]]
+            lo, hi = (wide[0][1], wide[0][2]) if wide else (lo, hi)
+            block = _Block(key, lo, hi, self._pool.submit(self._fetch, key, lo, hi), 1)
+            new.append(block)
+            mine.append(block)
+            held += hi - lo
+            for other, rs in ahead:
+                if any(k == key and lo <= a and z <= hi for k, a, z in rs):
+                    block.users += 1
+                    self._pending.setdefault(id(other), []).append(block)
+        with self._lock:
+            # an item whose ranges lie in one block is that block's user once
+            self._of_item[id(item)] = mine
+            for b in new:
+                self._blocks[b.key].append(b)
+                self._held += b.hi - b.lo
             self.max_held = max(self.max_held, self._held)
+            return self._held
 
     def _fetch(self, key: str, lo: int, hi: int) -> bytes:
         data = self.storage.get_range(key, lo, hi)
@@ -213,6 +263,8 @@ class ReadAhead:
                     b.future.cancel()
             self._blocks.clear()
             self._of_item.clear()
+            self._pending.clear()
+            self._planned.clear()
             self._held = 0
 
     def close(self) -> None:

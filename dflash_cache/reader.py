@@ -32,6 +32,7 @@ _SCRATCH_MAX = 64 << 20  # larger temporaries are allocated per call, not kept p
 
 _SMALL_DECODER = ChunkDecoder(blosc=True, crc=True)
 _RAW_DECODER = ChunkDecoder(blosc=False, crc=True)
+_KEPT = ("sample_ids", "offsets")  # small arrays a remote storage keeps once read (Storage.small_arrays)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class ArrayReader:
         self.storage, self.layout, self.part_key = storage, layout, part_key
         self._index_cache: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
+        self._index_lock = threading.Lock()  # held while a shard index is fetched
 
     def _corrupt(self, what: str) -> CacheCorruptError:
         name = self.layout.key.rsplit("/", 1)[-1]
@@ -117,6 +119,11 @@ class ArrayReader:
         idx = self._index_cache.get(shard)
         if idx is not None:
             return idx
+        with self._index_lock:  # read once when threads ask at once
+            idx = self._index_cache.get(shard)
+            return idx if idx is not None else self._read_shard_index(shard)
+
+    def _read_shard_index(self, shard: int) -> np.ndarray:
         lay = self.layout
         n_inner = lay.shard_rows // lay.chunk_rows  # type: ignore[operator]
         want = 16 * n_inner + 4
@@ -140,11 +147,16 @@ class ArrayReader:
     def read_all(self) -> np.ndarray:
         """The whole array, checked against the commit record's crc32c when it has one (small arrays:
         this binds them to the part)."""
-        out = self.read(0, self.layout.shape[0])
         want = self.layout.crc32c
+        memo = self.storage.small_arrays if want is not None and self.layout.key.rsplit("/", 1)[-1] in _KEPT else None
+        if memo is not None and (got := memo.get((self.layout.key, int(want)))) is not None:
+            return got.copy()
+        out = self.read(0, self.layout.shape[0])
         if want is not None and crc32c(out) != int(want):
             raise self._corrupt("crc32c of the data differs from the commit record (an empty, foreign or "
                                 "damaged chunk)")
+        if memo is not None:
+            memo[(self.layout.key, int(want))] = out.copy()  # type: ignore[arg-type]
         return out
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -268,12 +280,16 @@ class PartReader:
         self.layouts = layouts_for(part)
         self.readers = {name: ArrayReader(storage, lay, part.key) for name, lay in self.layouts.items()}
         self._small: dict[str, np.ndarray] = {}
+        self._small_lock = threading.Lock()
 
     def small(self, name: str) -> np.ndarray:
         arr = self._small.get(name)
         if arr is None:
-            arr = self.readers[name].read_all()
-            self._small[name] = arr
+            with self._small_lock:  # read once when threads ask at once
+                arr = self._small.get(name)
+                if arr is None:
+                    arr = self.readers[name].read_all()
+                    self._small[name] = arr
         return arr
 
     def span(self, row: int) -> tuple[int, int]:
@@ -347,8 +363,11 @@ class PartReaderCache:
             if r is not None:
                 self._items.move_to_end(part.key)
                 return r
-        r = PartReader(self.storage, part)
-        with self._lock:
+        with self._lock:  # (created under the lock: threads asking at once share one reader, read once)
+            r = self._items.get(part.key)
+            if r is not None:
+                return r
+            r = PartReader(self.storage, part)
             self._items[part.key] = r
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)

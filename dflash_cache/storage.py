@@ -56,6 +56,10 @@ class Storage:
 
     url: str
     is_local: bool = False
+    # what is read once per storage object on remote stores, where every read is a request: verified small
+    # arrays (sample_ids, offsets) by (key, crc32c from the commit record) and commit records by (key, 0)
+    # (created once, never rewritten). None: nothing kept (local files are read again)
+    small_arrays: dict[tuple[str, int], Any] | None = None
 
     def get(self, key: str) -> bytes:
         raise NotImplementedError
@@ -425,6 +429,7 @@ class FsspecStorage(Storage):
         except ValueError as err:  # unknown protocol
             raise CacheError(f"{url}: {err}; use a local path or an fsspec URL (s3://, gs://, memory:// ...)") from None
         self.root = self.root.rstrip("/")
+        self.small_arrays = {}
 
     def preflight(self) -> None:
         """Object stores: the bucket exists and the endpoint answers (one line each, exit 2)."""
@@ -471,8 +476,13 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(self._p(key), start=start, end=end)
 
     def get_suffix(self, key: str, n: int) -> bytes:
-        size = self.fs.size(self._p(key))
-        return self.fs.cat_file(self._p(key), start=max(0, size - n), end=size)
+        """One suffix request (``Range: bytes=-n`` on HTTP stores; a seek from the end elsewhere), not a
+        HEAD for the size and then a range GET; filesystems that refuse a negative start get the pair."""
+        try:
+            return self.fs.cat_file(self._p(key), start=-n)
+        except (ValueError, NotImplementedError, TypeError):
+            size = self.fs.size(self._p(key))
+            return self.fs.cat_file(self._p(key), start=max(0, size - n), end=size)
 
     def exists(self, key: str) -> bool:
         self.fs.invalidate_cache(self._p(key))  # listings cached by s3fs & co. must not hide a new commit or lease
@@ -499,9 +509,10 @@ class FsspecStorage(Storage):
         self.fs.invalidate_cache(p)
         try:
             entries = self.fs.ls(p, detail=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+        # (object stores list an object's own key for a key that is an object, not a "directory")
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != p.rstrip("/")})
 
     def list_files(self, prefix: str) -> dict[str, int]:
         p = self._p(prefix)

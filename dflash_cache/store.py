@@ -185,11 +185,19 @@ class FeatureCache:
     def _commit_records(self, dirs: list[tuple[int, str]]) -> list[bytes | None]:
         """The commit record of each part directory (None: not committed). On remote stores they are read
         16 at a time: a scan of thousands of parts is bound by latency, not bandwidth."""
+        kept = self.storage.small_arrays  # (remote stores) a commit record, once created, is never rewritten
+
         def get(d: tuple[int, str]) -> bytes | None:
+            key = f"{part_key(*d)}/{COMMIT}"
+            if kept is not None and (got := kept.get((key, 0))) is not None:
+                return got
             try:
-                return self.storage.get(f"{part_key(*d)}/{COMMIT}")
+                raw = self.storage.get(key)
             except (FileNotFoundError, NotADirectoryError):  # uncommitted, or a stray file (verify lists it)
                 return None
+            if kept is not None:
+                kept[(key, 0)] = raw
+            return raw
 
         if self.storage.is_local or len(dirs) <= 1:
             return [get(d) for d in dirs]

@@ -95,3 +95,6 @@ def test_bench_object_store_runs_every_store_and_reports_requests(monkeypatch, t
     for name in set(stores) - {"local"}:
         assert stores[name]["tokens_per_s_median"] > 0 and 0 < stores[name]["requests_per_sample"] < 1
         assert stores[name]["rounds"][0]["samples"] == 24  # every sample, from every store
+        kinds = stores[name]["requests_by_kind"]  # every request the loader's cache made, by kind
+        assert kinds["feature range"] >= 1 and kinds["commit record"] >= 1 and kinds["small array"] >= 1, kinds
+        assert stores[name]["all_requests_per_sample"] > stores[name]["requests_per_sample"]

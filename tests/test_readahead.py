@@ -199,3 +199,21 @@ def test_locality_runs_bring_requests_per_sample_to_a_tenth(tmp_path) -> None:
     per_sample, before = b.read_counters.requests / 512, a.read_counters.requests / 512
     assert per_sample <= 0.1 < before, (per_sample, before)
     assert b.read_counters.direct_requests == 0
+
+
+def test_a_remote_epoch_reads_each_parts_metadata_once(cache_path: str) -> None:
+    """Through the read-ahead on a remote store: one request per commit record and per small array of each
+    part (the index and the readers share sample_ids and offsets; two scans share the commit records), and
+    shard indexes by suffix requests without a HEAD for the size."""
+    url = f"latency://{cache_path}"
+    n_parts = len(open_cache(url).parts())
+    latency_fs.reset_counters()
+    batches, loader = _epochs(url, epochs=1, read_ahead="on")
+    kinds = latency_fs.counters()["by_kind"]
+    assert sum(len(b.sample_ids) for b in batches) == N
+    assert kinds.get("head", 0) <= 1, kinds  # (open_cache: does the root exist)
+    assert kinds["commit record"] == n_parts, (kinds, n_parts)
+    assert kinds["small array"] == 4 * n_parts, (kinds, n_parts)  # sample_ids, offsets, input_ids, loss_mask
+    shards = [f for f in Path(cache_path).rglob("*") if f.is_file() and ("/features/c/" in str(f)
+                                                                          or "/scales/c/" in str(f))]
+    assert kinds["feature range"] - loader.read_counters.requests == len(shards)  # + one index read per shard

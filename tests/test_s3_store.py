@@ -202,3 +202,66 @@ def test_run_dir_on_object_storage_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--run-dir s3://bucket/run is a URL" in err, err
     assert not (tmp_path / "s3:").exists()
+
+
+# A writer whose shard upload is a multipart upload (parts of PART bytes) that stops before its second part
+# and reports the shard's key in a marker file; the test then SIGKILLs it there.
+_STALLED_UPLOAD = """
+import asyncio, sys
+from pathlib import Path
+import s3fs.core
+
+marker, part = Path(sys.argv[1]), int(sys.argv[2])
+pipe, call = s3fs.core.S3FileSystem._pipe_file, s3fs.core.S3FileSystem._call_s3
+
+async def small_parts(self, path, data, chunksize=None, **kw):
+    return await pipe(self, path, data, chunksize=part, **kw)
+
+async def stall_second_part(self, method, *a, **kw):
+    if method == "upload_part" and kw.get("PartNumber") == 2 and "/features/c/" in kw.get("Key", ""):
+        marker.write_text(kw["Key"])
+        while True:
+            await asyncio.sleep(1)
+    return await call(self, method, *a, **kw)
+
+s3fs.core.S3FileSystem._pipe_file, s3fs.core.S3FileSystem._call_s3 = small_parts, stall_second_part
+from extract.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_a_multipart_shard_upload_killed_midway_leaves_nothing_visible(s3, tiny_teacher_dir, reference, tmp_path,
+                                                                        monkeypatch):
+    """A shard uploaded in parts, its writer SIGKILLed after the first part: the shard is not an object (an
+    unfinished multipart upload is invisible), readers see no part, verify reports the unit as not yet
+    committed (never a torn shard), and a rerun finishes the cache equal to the single local run."""
+    import moto.s3.models
+
+    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 256)  # S3's is 5 MiB; the shards are small
+    url, part = "s3://dflash-test/multipart", 1024
+    script, marker = tmp_path / "stalled_upload.py", tmp_path / "uploading"
+    script.write_text(_STALLED_UPLOAD)
+    victim = subprocess.Popen([sys.executable, str(script), str(marker), str(part), *_args(tiny_teacher_dir, url)],
+                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and victim.poll() is None and not marker.exists():
+        time.sleep(0.05)
+    assert victim.poll() is None and marker.exists(), f"no multipart shard upload was stalled: {victim.stdout.read()}"
+    key = marker.read_text()
+    uploads = s3.call_s3("list_multipart_uploads", Bucket="dflash-test").get("Uploads", [])
+    assert key in [u["Key"] for u in uploads]  # the upload really is a multipart one, one part in
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.communicate()
+
+    s3.invalidate_cache()
+    assert not s3.exists(f"dflash-test/{key}")  # no partial object
+    part_key = key.split("/g")[0].removeprefix("multipart/")  # buckets/<b>/<name>
+    assert part_key not in [p.key for p in open_cache(url).parts()]
+    report = verify_cache(url, raise_on_error=False)  # the unit is incomplete (no commit record), not torn
+    assert part_key in report.uncommitted, report.uncommitted
+    assert report.problems and all(p.array == "commit.json" and "incomplete" in p.message for p in report.problems)
+    assert not any("features" in str(p) for p in report.problems), report.problems
+    assert _extract(_args(tiny_teacher_dir, url)) == 0
+    assert _snapshot(url) == reference
+    assert verify_cache(url).ok
