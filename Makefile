@@ -22,9 +22,12 @@ endif
 
 venv: $(VENV)/.installed
 
+# The suite runs one worker per core (at most 4), a test file per worker at a time (module fixtures are
+# built once); plain `.venv/bin/pytest` runs it in one process.
+PYTEST_WORKERS ?= auto
 test: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile --durations=15
 
 demo: venv  # make demo ARGS="--set train.seed=1 --keep": extra arguments of python -m train.demo
 	$(PY) -m train.demo --out runs/demo $(ARGS)
