@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from .errors import CacheError, DataError
 from .fence import remove_garbage_of_committed, seal_for_commit, seal_key
 from .lease import LEASE_TIMEOUT_S, LeaseLostError, PartCommittedError, PartLease, acquire
 from .parts import COMMIT, PART_GROUP, PartInfo, check_part_name, gen_dir, part_key
+from .runtime.switches import env_switch
 
 if TYPE_CHECKING:
     from .store import FeatureCache
@@ -318,6 +320,8 @@ class PartWriter:
             if not self._closed and not self._lease.held():
                 raise self._lost() from None
             raise
+        if delay := env_switch("DFLASH_TEST_COMMIT_DELAY_S"):
+            time.sleep(float(delay))  # test hook: widens the window in which a kill lands inside the commit
         st = self.cache.storage
         record = json.dumps(info.to_record(self.cache.spec.fingerprint), indent=1).encode()
         # sealed first, then the lease checked: a remover takes the lease before it seals a generation dead,

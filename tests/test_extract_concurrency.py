@@ -45,8 +45,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_CACHE_FSYNC": "1"}
 
 
-def _start(teacher: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen(_cmd(teacher, out), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+def _start(teacher: Path, out: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(_cmd(teacher, out), cwd=ROOT, env={**_env(), **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -120,9 +120,12 @@ def _kill_in_commit(victim: subprocess.Popen, out: Path) -> str:
 
 def test_a_job_killed_inside_a_part_commit_loses_nothing(tiny_teacher_dir, reference, tmp_path, capsys):
     landed = []
-    for _ in range(3):  # the commit window is short: retry the (rare) trial where the kill came late
+    for _ in range(3):  # retry the (rare) trial where the kill came late
         out = tmp_path / f"cache{len(landed)}"
-        victim, other = _start(tiny_teacher_dir, out), _start(tiny_teacher_dir, out)
+        # the victim pauses 1 s inside each commit (data written, no commit record), so that a poller starved
+        # by a loaded machine still lands its kill there
+        victim = _start(tiny_teacher_dir, out, DFLASH_TEST_COMMIT_DELAY_S="1.0")
+        other = _start(tiny_teacher_dir, out)
         landed.append(_kill_in_commit(victim, out))
         output = other.communicate(timeout=300)[0]
         victim.communicate()

@@ -29,6 +29,8 @@ SWITCHES: dict[str, str] = {
                       "pid (e.g. two nodes on one machine, or tests). `dflash-cache release --host` names it.",
     "DFLASH_TEST_CKPT_WRITE_DELAY_S": "Test hook: seconds the checkpoint writer sleeps after each file, to "
                                       "widen the window in which a kill lands mid-save. Never set in production.",
+    "DFLASH_TEST_COMMIT_DELAY_S": "Test hook: seconds a part writer sleeps inside its commit (data written, "
+                                  "commit record not yet), so a kill can be aimed at it. Never set in production.",
     "DFLASH_TEST_EVAL_DELAY_S": "Test hook: seconds each periodic held-out evaluation of `dflash-train` sleeps "
                                 "(counted in `eval/seconds`), so a kill can be aimed at it. Never set in production.",
     "DFLASH_TEST_FAULTS": "Test and drill hook: a JSON object `{\"nan_steps\": [...], \"spike_steps\": [...], "
