@@ -18,7 +18,6 @@ error is reported while the data can still be fixed and rerun into a fresh cache
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import time
@@ -29,18 +28,19 @@ from typing import Any
 import torch
 
 from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
-from dflash_cache.errors import CacheError, ConfigError, DataError
+from dflash_cache.errors import CacheError, DataError
 from dflash_cache.lease import LEASE_TIMEOUT_S, Holder, LeaseHeldError, PartCommittedError, PartLease, acquire
 from dflash_cache.parts import part_key
-from dflash_cache.runtime.config import config_to_dict, load_config
+from dflash_cache.runtime.config import config_to_dict
 from dflash_cache.runtime.dist import Distributed
-from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.log import process_rank
 from dflash_cache.runtime.schema import ExtractConfig, PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
 from dflash_cache.storage import storage_error
 
 from .batching import Batch, collate, plan_batches
+from .cli_args import extract_parser as build_parser
+from .cli_args import load_run_config
 from .data import Record, load_records
 from .progress import ExtractProgress, human_bytes
 from .teacher import (
@@ -540,38 +540,6 @@ def _finish(ctx: Distributed, cache: Any, report: ExtractReport) -> ExtractRepor
                                                     "world_size": ctx.world_size})
     ctx.barrier()
     return report
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from .cli import COMMAND
-
-    p = command_parser(
-        "dflash-extract",
-        "Run the teacher over the conversations and write the hidden states the drafter needs into a feature "
-        "cache (a zarr group at a path or fsspec URL).",
-        "Rerunning the same command after a crash or preemption resumes: finished work units are kept, partial "
-        "ones recomputed. Under torchrun (torchrun --nproc-per-node N --no-python dflash-extract ...) each process "
-        "takes its share of the work units.",
-        epilog=COMMAND.epilog())
-    p.add_argument("config", help="TOML preset, e.g. configs/tiny.toml (keys: docs/config.md)")
-    p.add_argument("--out", required=True, help="cache path or fsspec URL (created, or resumed)")
-    p.add_argument("--data", help="input data (overrides data.path)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def load_run_config(path: str, overrides: Sequence[str], data: str | None, skip_bad: bool) -> PipelineConfig:
-    cfg = load_config(path, overrides)
-    try:
-        if data is not None:
-            cfg.data.path = data
-        if skip_bad:
-            cfg.data.skip_bad = True
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    return cfg
 
 
 def cli_main(argv: Sequence[str]) -> int:
