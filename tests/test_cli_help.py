@@ -205,3 +205,10 @@ def test_a_config_missing_from_the_working_directory_names_it_and_the_shipped_pr
     assert train_main(["configs/tiny.toml", "--cache", "c", "--run-dir", "r"]) == 2
     err = capsys.readouterr().err
     assert f"relative to the working directory {tmp_path}" in err and str(ROOT / "configs" / "tiny.toml") in err
+
+
+def test_the_export_parser_offers_exactly_the_dtypes_export_writes():
+    from train.cli_args import EXPORT_DTYPES
+    from train.export import _DTYPES
+
+    assert sorted(EXPORT_DTYPES) == sorted(_DTYPES)
