@@ -12,7 +12,7 @@ thread count it ran with, so a variation the machine ignored shows. Each combina
 its full schedule (the demo's ~500 steps; ``--steps N`` sets ``train.max_steps``, which also shortens the
 lr schedule, so the trajectory differs from the demo's) through ``dflash-train`` and must finish (exit 0)
 with a held-out acceptance length clearly above the untrained drafter's (``--min-gain``). Too slow for CI
-(~4 min per 100 steps on 2 busy cores): run it before a release, after ``make demo`` has built the cache.
+(2-6 min per 100 steps at 1 thread on 2 busy cores, 10-25 min at 2 threads under ``nice``): run it before a release, after ``make demo`` has built the cache.
 
     .venv/bin/python bench/bench_demo_robustness.py [--cache runs/demo/cache] [--seeds 0,1,2] [--threads 1,2]
         [--variations native,avx2,avx2+det] [--steps N]
