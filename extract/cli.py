@@ -1,7 +1,8 @@
 """``dflash-extract``: extract (default), ``estimate`` and ``regenerate`` subcommands.
 
 Each subcommand module owns its own argument parser (``build_parser()``, run by ``cli_main(argv)``); this
-file only names them.
+file only names them. Their parsers live in :mod:`extract.cli_args` and run before the modules (which import
+torch) are loaded.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from dflash_cache.runtime.entry import Command, Subcommand, dispatch, run_cli
 COMMAND = Command(
     prog="dflash-extract",
     module="extract.run",
+    arguments="extract.cli_args:EXTRACT",
     subcommands={
         "estimate": Subcommand("extract.estimate", "Count samples and tokens after templating and project the "
-                               "cache size per codec, without loading the teacher's weights."),
+                               "cache size per codec, without loading the teacher's weights.",
+                               arguments="extract.cli_args:ESTIMATE"),
         "regenerate": Subcommand("extract.regenerate", "Replace every assistant turn with the teacher's own reply "
-                                 "(in this process, or through an OpenAI-compatible server) and write JSONL."),
+                                 "(in this process, or through an OpenAI-compatible server) and write JSONL.",
+                                 arguments="extract.cli_args:REGENERATE"),
     },
 )
 

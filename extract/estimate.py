@@ -3,18 +3,18 @@ size per codec, without loading the teacher's weights."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash_cache.buckets import bucket_of
 from dflash_cache.errors import UsageError
-from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.schema import PipelineConfig
 
+from .cli_args import DEFAULT_TOKENS_PER_S, load_run_config
+from .cli_args import estimate_parser as build_parser
 from .data import load_records
 from .progress import human_bytes
-from .run_config import load_run_config, sample_rules
+from .run_config import sample_rules
 from .teacher import (
     kernel_hint,
     load_teacher_config,
@@ -33,7 +33,6 @@ SMALL_BYTES_PER_TOKEN = 5  # input_ids (int32) + loss_mask (bool), before compre
 # bf16-raw 3.71 measured per CPU-second; bf16-lz4 and fp8-e4m3 not measured through the loader: codec-level
 # figures scaled the same way); override with --decode-gbps after measuring on the training host.
 DECODE_GBPS_PER_CORE = {"bf16-raw": 3.7, "bf16-zstd": 1.3, "bf16-lz4": 1.6, "fp8-e4m3": 1.0}
-DEFAULT_TOKENS_PER_S = 26_000  # a 27B-width drafter step on one H200 (README performance table)
 
 
 @dataclass
@@ -126,22 +125,6 @@ def estimate(cfg: PipelineConfig, tokens_per_s: float = DEFAULT_TOKENS_PER_S,
                     bytes_with_final=projected_bytes(stats.n_tokens, len(layer_ids) + 1, hidden),
                     tokens_per_s=tokens_per_s, decode_gbps={**DECODE_GBPS_PER_CORE, **(decode_gbps or {})},
                     final_hidden=cfg.cache.store_final_hidden)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = command_parser(
-        "dflash-extract estimate",
-        "Tokenize the data with the teacher's chat template and print the sample and token counts, the length "
-        "buckets and the projected cache size per codec, without loading the teacher's weights.")
-    p.add_argument("config", help="TOML preset, e.g. configs/qwen3-8b.toml (keys: docs/config.md)")
-    p.add_argument("--data", help="input data (overrides data.path)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
-    p.add_argument("--tokens-per-s", type=float, default=DEFAULT_TOKENS_PER_S,
-                   help="training speed to size the read bandwidth and reader cores for (all ranks together)")
-    p.add_argument("--decode-gbps", action="append", default=[], metavar="CODEC=GBPS",
-                   help="decoded GB/s per reader core measured for a codec (repeatable), e.g. bf16-zstd=1.1")
-    return p
 
 
 def _decode_rates(items: Sequence[str]) -> dict[str, float]:

@@ -14,7 +14,6 @@ with a user turn gets a new final reply; turns after the last reply are dropped.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -25,13 +24,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dflash_cache.runtime.entry import command_parser
 from dflash_cache.runtime.schema import PipelineConfig
 from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .answer_log import OutputLock
+from .cli_args import load_run_config
+from .cli_args import regenerate_parser as build_parser
 from .config import RegenerateConfig
-from .run_config import load_run_config, template_options
+from .run_config import template_options
 from .teacher import load_teacher, teacher_device
 from .template import TemplateOptions, check_chat_template
 from .turns import TurnCursor, cut_at_stop, load_prompts, output_record, reply_message
@@ -126,27 +126,6 @@ def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> int:
         write_jsonl(out_path, [output_record(c, data.fingerprint) for c in cursors])
     log.info("wrote %d regenerated conversations to %s", len(cursors), out_path)
     return len(cursors)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = command_parser(
-        "dflash-extract regenerate",
-        "Replace every assistant turn of the conversations with the teacher's own reply, so that the drafter "
-        "learns the target's distribution, and write them as JSONL that dflash-extract reads with --data.",
-        "Without --endpoint the teacher generates in this process (Hugging Face generate, batched); with "
-        "--endpoint an OpenAI-compatible server (vllm serve, SGLang) does, and OUT is an append-only log that a "
-        "rerun resumes. See docs/regenerate.md.")
-    p.add_argument("config", help="TOML preset, e.g. configs/qwen3-8b.toml (keys: docs/config.md)")
-    p.add_argument("--data", help="input conversations (overrides data.path)")
-    p.add_argument("--out", required=True, help="output JSONL")
-    p.add_argument("--endpoint", metavar="URL",
-                   help="OpenAI-compatible server to ask (sets regenerate.endpoint); default: HF generate in-process")
-    p.add_argument("--served-model", metavar="NAME",
-                   help="served model to request, vouching that it is the teacher (sets regenerate.served_model)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def cli_main(argv: Sequence[str]) -> int:

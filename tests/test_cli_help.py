@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -108,28 +109,95 @@ def test_no_arguments_prints_the_help_with_the_subcommands(capsys):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-_TORCH_FREE = """
-import atexit, sys
-atexit.register(lambda: print("torch imported:", "torch" in sys.modules))  # --help and argparse errors exit
+# every console script (and the demo) with each subcommand: the mistakes a user makes, each answered before
+# torch is imported (~5 s of CPU, ~90 s on a busy machine); one child per script runs its cases in order and
+# records after each whether torch is in sys.modules
+_CHILD = """
+import contextlib, io, json, sys
 from {module} import main
-sys.exit(main({argv!r}))
+results = []
+for argv in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            rc = main(argv)
+        except SystemExit as exit:  # --help and argparse's errors
+            rc = exit.code
+    results.append({{"argv": argv, "rc": rc, "out": out.getvalue(), "torch": "torch" in sys.modules}})
+print(json.dumps(results))
 """
 
+_TINY, _NO_CONFIG = "configs/tiny.toml", "configs/tny.toml"
+_MISSING = "configs/tny.toml does not exist"
+_CASES = {
+    "train.cli": [  # dflash-train
+        ([], 2, "usage: dflash-train"),
+        (["--help"], 0, "usage: dflash-train"),
+        ([_TINY, "--cache", "c", "--run-dir", "r", "--set", "train.lrr=1"], 2, "train.lrr"),
+        ([_NO_CONFIG, "--cache", "c", "--run-dir", "r"], 2, _MISSING),
+        ([_TINY, "--cache", "c"], 2, "--run-dir"),
+        ([_TINY, "--cache", "c", "--run-dir", "r", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["evl", _TINY], 2, "did you mean 'eval'?"),
+        (["eval", "--help"], 0, "usage: dflash-train eval"),
+        (["eval", _TINY, "--cache", "c", "--checkpoint", "k", "--set", "eval.max_blocs=3"], 2, "eval.max_blocs"),
+        (["eval", _NO_CONFIG, "--cache", "c", "--checkpoint", "k"], 2, _MISSING),
+        (["eval", _TINY, "--cache", "c", "--checkpoint", "k", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["export", "--help"], 0, "usage: dflash-train export"),
+        (["export", "r", "--out", "o", "--dtype", "fp8"], 2, "invalid choice: 'fp8'"),
+        (["export", "r", "--out", "o", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["report", "--help"], 0, "usage: dflash-train report"),
+        (["report", "r", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["estimate", "--help"], 0, "usage: dflash-train estimate"),
+        (["estimate", _TINY, "--set", "model.n_layer=2"], 2, "model.n_layer"),
+        (["estimate", _NO_CONFIG], 2, _MISSING),
+        (["estimate", _TINY, "--bogus"], 2, "unrecognized arguments: --bogus"),
+    ],
+    "extract.cli": [  # dflash-extract
+        ([], 2, "usage: dflash-extract"),
+        (["--help"], 0, "usage: dflash-extract"),
+        ([_TINY, "--out", "o", "--set", "data.pth=x"], 2, "data.pth"),
+        ([_NO_CONFIG, "--out", "o"], 2, _MISSING),
+        ([_TINY, "--out", "o", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["estimate", "--help"], 0, "usage: dflash-extract estimate"),
+        (["estimate", _TINY, "--set", "cache.codek=x"], 2, "cache.codek"),
+        (["estimate", _NO_CONFIG], 2, _MISSING),
+        (["estimate", _TINY, "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["regenerate", "--help"], 0, "usage: dflash-extract regenerate"),
+        (["regenerate", _TINY, "--out", "o", "--set", "regenerate.max_new_tokenz=4"], 2,
+         "regenerate.max_new_tokenz"),
+        (["regenerate", _NO_CONFIG, "--out", "o"], 2, _MISSING),
+        (["regenerate", _TINY, "--out", "o", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    ],
+    "dflash_cache.cli": [  # dflash-cache (no config; opening a cache is the work)
+        (["--help"], 0, "usage: dflash-cache"),
+        *[([sub, "--help"], 0, f"usage: dflash-cache {sub}") for sub in ("info", "verify", "gc", "release")],
+        (["info", "c", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["release", "c"], 2, "--host"),
+        (["infoo", "c"], 2, "invalid choice: 'infoo'"),
+    ],
+    "train.demo": [  # python -m train.demo (make demo)
+        (["--help"], 0, "usage: python -m train.demo"),
+        (["--set", "guards.rebaseline_afer=4"], 2, "guards.rebaseline_afer"),
+        (["--config", _NO_CONFIG], 2, _MISSING),
+        (["--bogus"], 2, "unrecognized arguments: --bogus"),
+    ],
+}
 
-@pytest.mark.parametrize(("module", "argv", "message"), [
-    ("train.cli", ["configs/tiny.toml", "--cache", "c", "--run-dir", "r", "--set", "train.lrr=1"], "train.lrr"),
-    ("train.cli", ["configs/tny.toml", "--cache", "c", "--run-dir", "r"], "configs/tny.toml does not exist"),
-    ("train.cli", ["configs/tiny.toml", "--cache", "c"], "--run-dir"),
-    ("train.cli", ["--help"], "usage: dflash-train"),
-    ("train.demo", ["--set", "guards.rebaseline_afer=4"], "guards.rebaseline_afer"),
-])
-def test_arguments_and_config_are_checked_before_torch_is_imported(module, argv, message):
+
+@pytest.mark.parametrize("module", sorted(_CASES))
+def test_arguments_and_config_are_checked_before_torch_is_imported(module):
     # a typo costs ~5 s of CPU when torch is imported first (~90 s on a busy machine)
-    proc = subprocess.run([sys.executable, "-c", _TORCH_FREE.format(module=module, argv=argv)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert message in proc.stdout + proc.stderr, proc.stderr[-2000:]
-    assert proc.returncode == (0 if argv == ["--help"] else 2), proc.stderr[-2000:]
-    assert "torch imported: False" in proc.stdout, proc.stdout[-2000:]
+    cases = _CASES[module]
+    proc = subprocess.run([sys.executable, "-c", _CHILD.format(module=module), json.dumps([a for a, _, _ in cases])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    assert len(results) == len(cases)
+    for (argv, rc, message), got in zip(cases, results, strict=True):
+        assert message in got["out"], (argv, got["out"][-2000:])
+        assert got["rc"] == rc, (argv, got["rc"], got["out"][-2000:])
+        assert not got["torch"], f"{module} {argv} imported torch before answering"
+
 
 
 def test_a_config_missing_from_the_working_directory_names_it_and_the_shipped_preset(tmp_path, monkeypatch, capsys):
@@ -137,3 +205,10 @@ def test_a_config_missing_from_the_working_directory_names_it_and_the_shipped_pr
     assert train_main(["configs/tiny.toml", "--cache", "c", "--run-dir", "r"]) == 2
     err = capsys.readouterr().err
     assert f"relative to the working directory {tmp_path}" in err and str(ROOT / "configs" / "tiny.toml") in err
+
+
+def test_the_export_parser_offers_exactly_the_dtypes_export_writes():
+    from train.cli_args import EXPORT_DTYPES
+    from train.tools.export import _DTYPES
+
+    assert sorted(EXPORT_DTYPES) == sorted(_DTYPES)

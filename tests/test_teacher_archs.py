@@ -96,8 +96,8 @@ def test_hybrid_teacher_kernel_hint(monkeypatch, caplog):
     import logging
 
     from extract import teacher as teacher_mod
+    from extract.cli_args import load_run_config
     from extract.estimate import estimate
-    from extract.run import load_run_config
 
     monkeypatch.setattr(teacher_mod.importlib.util, "find_spec", lambda name: None)
     cfg = load_run_config("configs/tiny.toml", ["teacher.path=builtin:tiny-qwen3_5", "data.path=builtin:tiny-chat?n=4"],

@@ -36,9 +36,25 @@ def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[s
 
 
 @dataclass(frozen=True)
+class Arguments:
+    """A command's parser and the checks of its arguments and config that need no torch: they run before the
+    command's module (which imports torch, ~5 s of CPU, ~90 s on a busy machine) is loaded, so a typo costs none."""
+
+    build_parser: Callable[[], argparse.ArgumentParser]
+    check: Callable[[argparse.Namespace], object] | None = None  # e.g. load the config with its overrides
+
+    def parse(self, argv: Sequence[str]) -> argparse.Namespace:
+        args = self.build_parser().parse_args(list(argv))
+        if self.check is not None:
+            self.check(args)
+        return args
+
+
+@dataclass(frozen=True)
 class Subcommand:
     module: str  # has build_parser() and cli_main(argv)
     summary: str  # one sentence, for the command's --help
+    arguments: str | None = None  # "module:NAME" of an Arguments run before ``module`` is imported
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class Command:
     prog: str
     module: str
     subcommands: Mapping[str, Subcommand]
+    arguments: str | None = None  # "module:NAME" of the default command's Arguments (see Subcommand)
 
     def epilog(self) -> str:
         """The subcommands with their summaries, for the default command's --help."""
@@ -85,19 +102,31 @@ def dispatch(argv: Sequence[str] | None, command: Command) -> int | None:
     """Run ``<subcommand module>.cli_main(rest)`` for ``argv[0]`` in the command's subcommands, else the default
     command's ``cli_main(argv)``.
 
-    Modules are imported on use, so ``--help`` of one subcommand does not load the others' dependencies. A
+    Modules are imported on use, so ``--help`` of one subcommand does not load the others' dependencies; a
+    command's :class:`Arguments`, where it names one, parse and check ``argv`` before its module is imported. A
     first argument that is neither a subcommand nor a config file (``dflash-train evl ...``) is an error that
     says so (exit 2), not the default command's complaint about its missing options.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in command.subcommands:
-        return importlib.import_module(command.subcommands[args[0]].module).cli_main(args[1:])
-    default = importlib.import_module(command.module)
+        sub = command.subcommands[args[0]]
+        if sub.arguments:
+            _arguments(sub.arguments).parse(args[1:])
+        return importlib.import_module(sub.module).cli_main(args[1:])
     if not args:
-        default.build_parser().print_help(sys.stderr)
+        parser = (_arguments(command.arguments).build_parser() if command.arguments
+                  else importlib.import_module(command.module).build_parser())
+        parser.print_help(sys.stderr)
         return 2
     _refuse_unknown_subcommand(args[0], command)
-    return default.cli_main(args)
+    if command.arguments:
+        _arguments(command.arguments).parse(args)
+    return importlib.import_module(command.module).cli_main(args)
+
+
+def _arguments(ref: str) -> Arguments:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _refuse_unknown_subcommand(first: str, command: Command) -> None:

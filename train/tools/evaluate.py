@@ -22,7 +22,6 @@ one always; a prompt's tau is the mean over its cycles and the overall tau the m
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from dflash_cache.runtime.threads import budget_cpu_threads
 from extract.config import TeacherConfig
 from train.config import EvalConfig
 
+from ..cli_args import eval_parser as build_parser
 from ..models.attention import BlockLayout
 from ..models.objective import FlatBatch, all_anchors, block_metrics, merge_metrics, predict_blocks
 from ..protocols import Drafter
@@ -428,36 +428,6 @@ def load_for_eval(checkpoint: str, cache: ReadableCache, attention: str = "auto"
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from dflash_cache.runtime.entry import command_parser
-
-    p = command_parser(
-        "dflash-train eval",
-        "Measure a drafter's acceptance length tau (tokens per target forward): teacher-forced over every "
-        "eligible anchor of the cache's held-out samples, and with --live by real greedy speculative decoding "
-        "with the teacher, checked token for token against the teacher's own greedy output (or, with --temperature, "
-        "by speculative sampling, lossless in distribution).",
-        "tau = 1.0 means no speed-up; the block size is the ceiling.")
-    p.add_argument("config", help="TOML preset (the run's config): model/loader/eval/teacher sections")
-    p.add_argument("--cache", required=True, help="feature cache URL (held-out samples and the frozen head)")
-    p.add_argument("--checkpoint", required=True, help="checkpoint dir, run dir (latest checkpoint) or drafter dir")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override (repeatable)")
-    p.add_argument("--samples", choices=["holdout", "all"], default="holdout",
-                   help="evaluate (teacher-forced, and live prompts) on the held-out samples (default) or the whole "
-                        "cache (which includes the training samples)")
-    p.add_argument("--live", action="store_true", help="also run live speculative decoding with the teacher")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="--live: verify by speculative sampling at this temperature (lossless in distribution); "
-                        "0 (default) = greedy, checked token for token")
-    p.add_argument("--top-p", type=float, default=1.0, help="--live with --temperature: nucleus sampling (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="--live with --temperature: top-k sampling (0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="--live with --temperature: the sampling seed")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    return p
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:

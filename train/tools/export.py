@@ -18,7 +18,6 @@ they are read from the checkpoint's weights metadata when present, else from ``-
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from dflash_cache.errors import ConfigError, SpecMismatchError
 from dflash_cache.runtime.config import validate
 from dflash_cache.runtime.schema import PipelineConfig
 
+from ..cli_args import export_parser as build_parser
 from ..components.checkpoint import MANIFEST_FILE
 from ..models.model import (
     METADATA_KEY,
@@ -211,26 +211,6 @@ def export_drafter(state: dict[str, Tensor], cfg: DFlashConfig, out: str | Path,
     os.replace(tmp, out)
     log.info("exported the drafter to %s (%d tensors, %s)", out, len(state), dtype)
     return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from dflash_cache.runtime.entry import command_parser
-
-    p = command_parser(
-        "dflash-train export",
-        "Write a drafter as a Hugging Face directory that SGLang and vLLM load as a DFlash draft model: "
-        "config.json, model.safetensors with the released drafters' weight names (no embedding, no lm_head) and "
-        "the modeling file dflash.py. See docs/serving.md.",
-        "The target's vocabulary size and layer ids come from the checkpoint when it records them, else from "
-        "--cache.")
-    p.add_argument("checkpoint", help="a run dir (latest committed checkpoint), a checkpoint dir, or a drafter dir")
-    p.add_argument("--out", required=True, help="output directory (HF format)")
-    p.add_argument("--cache", help="the cache the drafter was trained on (when the checkpoint does not record "
-                   "the target's vocabulary and layer ids)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="dtype of the written weights "
-                   "(default: bfloat16)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    return p
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:

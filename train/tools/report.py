@@ -12,7 +12,6 @@ marked.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from typing import Any
 
 from dflash_cache.errors import DFlashError
 
+from ..cli_args import report_parser as build_parser
 from ..components.guards import robust_z
 from ..components.metrics import METRICS_FILE, read_metrics
 
@@ -318,23 +318,6 @@ def _plot_grad_norm(ax: Any, records: list[dict[str, Any]]) -> None:
     if any(math.isfinite(_num(r.get("train/grad_norm"))) and _num(r.get("train/grad_norm")) > 0 for r in records):
         ax.set_yscale("log")
     ax.set_ylabel("grad norm")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from dflash_cache.runtime.entry import command_parser
-
-    p = command_parser(
-        "dflash-train report",
-        "Summarise a run from RUN/metrics.jsonl: loss spikes with their step, bucket and grad norm, steps the "
-        "guards skipped and why, gaps in the step sequence, checkpoint saves, held-out evaluations, where the "
-        "wall time went, and loader starvation.",
-        "With --png it also draws the loss, acceptance length and grad norm (with the guard's limit) over steps, "
-        "with spikes, skips and saves marked.")
-    p.add_argument("run_dir", help="a run directory written by dflash-train")
-    p.add_argument("--png", help="also write a figure to this file")
-    p.add_argument("--window", type=int, default=64, help="trailing window (steps) for spike z-scores")
-    p.add_argument("--z", type=float, default=6.0, help="robust z-score above which a loss is a spike")
-    return p
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
