@@ -69,4 +69,4 @@ def test_the_command_the_loop_and_the_shared_pieces_are_apart():
         assert not graph[user] & {"run", "loop", "output"}, (user, graph[user])
     # the two regeneration back ends share the turn handling, and the server one never reaches into the other
     assert "regenerate" not in graph["endpoint"] and "turns" in graph["endpoint"] & graph["regenerate"]
-    assert graph["run"] >= {"loop", "run_config"} and "run" not in set().union(*graph.values())
+    assert graph["run"] >= {"loop", "cli_args"} and "run" not in set().union(*graph.values())
