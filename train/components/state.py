@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.errors import ConfigError, DFlashError, SpecMismatchError
+from dflash_cache.protocols import ReadableCache
 from dflash_cache.runtime.dist import Distributed
 from train.config import CheckpointConfig
 
@@ -139,13 +140,13 @@ def training_components(optimizer, scheduler, loader, guard: SpikeGuard, d: Dist
             .register("guard", guard))
 
 
-def training_state(step: int, components: StateRegistry, cache: Any, d: Distributed) -> dict[str, Any]:
+def training_state(step: int, components: StateRegistry, cache: ReadableCache, d: Distributed) -> dict[str, Any]:
     """Everything a resume needs: the registered components' states under their names, and the metadata that
     a resume checks (step, world size, the cache's spec)."""
     return {"step": step, "world_size": d.world_size, **components.state_dict(), "cache_spec": cache.spec.to_dict()}
 
 
-def check_cache_compatible(ckpt: LoadedCheckpoint, cache: Any, ignore: bool) -> None:
+def check_cache_compatible(ckpt: LoadedCheckpoint, cache: ReadableCache, ignore: bool) -> None:
     """Refuse to resume on a cache other than the one the checkpoint was trained on."""
     saved_fp = ckpt.manifest.get("cache_fingerprint")
     if saved_fp == cache.spec.fingerprint:
@@ -167,7 +168,7 @@ def check_cache_compatible(ckpt: LoadedCheckpoint, cache: Any, ignore: bool) -> 
     )
 
 
-def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: Any, model, components: StateRegistry,
+def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: ReadableCache, model, components: StateRegistry,
            d: Distributed) -> int:
     """Load the latest valid checkpoint of the run into the model and every registered component (a name
     missing from the checkpoint or unknown to this run is refused); returns its step (0: none)."""

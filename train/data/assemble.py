@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dflash_cache.parts import PartInfo
+from dflash_cache.protocols import ReadableCache
 from dflash_cache.reader import PartReaderCache
 
 from .batch import Batch, BatchBufferPool, carve_batch, host_buffer, padded_nbytes
@@ -101,7 +102,7 @@ class BatchAssembler:
 
     ``read_fn`` replaces decoding from the cache's parts by collating the samples it returns."""
 
-    def __init__(self, cache: Any, pool: BatchBufferPool, feature_dim: int, decode_threads: int,
+    def __init__(self, cache: ReadableCache, pool: BatchBufferPool, feature_dim: int, decode_threads: int,
                  read_fn: ReadFn | None = None, storage: Any = None):
         self.pool, self.feature_dim = pool, feature_dim
         self._read = read_fn or cache.read_samples

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache.protocols import ReadableCache
 from train.config import LoaderConfig
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 Agree = Callable[[str, Callable[[], Any], threading.Event], Any]
 
 
-def extraction_finished(cache: Any) -> bool:
+def extraction_finished(cache: ReadableCache) -> bool:
     """True once ``dflash-extract`` has finished writing ``cache``: its rank 0 writes the
     ``extract_report`` metadata document after every rank's last commit."""
     try:

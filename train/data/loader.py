@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from dflash_cache.errors import CacheCorruptError, CacheError, ConfigError
+from dflash_cache.protocols import ReadableCache
 from dflash_cache.readahead import ReadAhead, ReadAheadSettings, ReadCounters
 from train.config import LoaderConfig
 
@@ -150,7 +151,7 @@ class StreamingLoader:
 
     def __init__(
         self,
-        cache: Any,
+        cache: ReadableCache,
         cfg: LoaderConfig,
         *,
         seed: int,
@@ -377,7 +378,7 @@ class StreamingLoader:
 
     # ---------------------------------------------------------------- reading (in the reader threads)
 
-    def _build_read_ahead(self, cache: Any, cfg: LoaderConfig, read_fn: ReadFn | None) -> ReadAhead | None:
+    def _build_read_ahead(self, cache: ReadableCache, cfg: LoaderConfig, read_fn: ReadFn | None) -> ReadAhead | None:
         """loader.read_ahead: on for object stores (``auto``), never with injected reads or a live cache
         (whose work stream waits for new parts at window ends: items must not be held back for it)."""
         storage = getattr(cache, "storage", None)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_cache.protocols import ReadableCache
 from dflash_cache.runtime.config import config_to_dict
 from dflash_cache.runtime.dist import Distributed
 from dflash_cache.runtime.schema import PipelineConfig
@@ -77,7 +78,7 @@ class HeldoutEval:
     Every eligible anchor is scored, so it draws no random numbers: a resumed run stays bitwise exact.
     """
 
-    def __init__(self, cache: Any, sample_ids: Any, max_blocks: int | None, skip_corrupt: bool = False):
+    def __init__(self, cache: ReadableCache, sample_ids: Any, max_blocks: int | None, skip_corrupt: bool = False):
         self.cache, self.sample_ids, self.max_blocks = cache, sample_ids, max_blocks
         self.skip_corrupt = skip_corrupt  # loader.on_corrupt = skip applies here too
 
@@ -92,7 +93,7 @@ class HeldoutEval:
                 "eval/seconds": time.perf_counter() - t0}
 
 
-def build_heldout_eval(cfg: PipelineConfig, cache: Any) -> HeldoutEval | None:
+def build_heldout_eval(cfg: PipelineConfig, cache: ReadableCache) -> HeldoutEval | None:
     from ..tools.evaluate import holdout_sample_ids
 
     skip = cfg.loader.on_corrupt == "skip"
@@ -121,7 +122,7 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
         d.close()
 
 
-def _train(cfg: PipelineConfig, cache: Any, run: RunDir, d: Distributed, watch: RankWatch | None = None
+def _train(cfg: PipelineConfig, cache: ReadableCache, run: RunDir, d: Distributed, watch: RankWatch | None = None
            ) -> TrainResult:
     log.info("training: %s", d.describe())  # a collective: every rank calls it
     budget_cpu_threads(d.device, cfg.loader.num_readers, d.local_world_size)
