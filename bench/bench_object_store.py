@@ -77,11 +77,11 @@ def _cpu() -> float:
 
 
 def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality: int | None = None,
-              read_ahead_mib: int = 256, run_samples: int | None = None) -> dict[str, float]:
+              read_ahead_mib: int = 256, run_samples: int | None = None, max_request_mib: int = 64) -> dict[str, float]:
     cfg = LoaderConfig(tokens_per_batch=16384, num_readers=readers, max_buffer_bytes=1 << 30, holdout_fraction=0.0,
                        read_ahead=read_ahead, requests_in_flight=in_flight, pin_memory=False,
                        locality_parts=locality, locality_run_samples=run_samples,
-                       read_ahead_bytes=read_ahead_mib << 20)
+                       read_ahead_bytes=read_ahead_mib << 20, max_request_bytes=max_request_mib << 20)
     cache = open_cache(url)
     stored = {p.key: p.feature_bytes / max(p.n_tokens, 1) for p in cache.parts()}
     latency_fs.reset_counters()
@@ -154,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="loader.locality_parts for every store (the same plan for all)")
     ap.add_argument("--locality-run-samples", type=int, default=None, help="loader.locality_run_samples")
     ap.add_argument("--read-ahead-mib", type=int, default=256)
+    ap.add_argument("--max-request-mib", type=int, default=64, help="loader.max_request_bytes in MiB")
     ap.add_argument("--mbps", type=float, default=100.0, help="bandwidth cap per request stream of latency://")
     ap.add_argument("--no-s3", action="store_true", help="skip the loopback moto S3 server")
     ap.add_argument("--workdir", default="/tmp/bench_object_store")
     ap.add_argument("--out", default=str(Path(__file__).with_name("results") / "bench_object_store.json"))
     args = ap.parse_args(argv)
 
+    load_start = os.getloadavg()[0]
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     local = str(work / "cache")
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ms is not None:
                     latency_fs.configure(ms, args.mbps)
                 runs[name].append(one_epoch(url, args.readers, mode, args.in_flight, args.locality_parts,
-                                            args.read_ahead_mib, args.locality_run_samples))
+                                            args.read_ahead_mib, args.locality_run_samples, args.max_request_mib))
     finally:
         if moto is not None:
             moto.terminate()
@@ -219,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{spread(rs, 'read_amplification', '.2f'):>9s} {row['cpu_per_byte_vs_local']:12.2f}")
         if row["requests_by_kind"] and read_ahead_of(name) != "off":
             print(f"{'':14s} requests by kind (last round): {row['requests_by_kind']}")
-    print(f"load average {load:.1f}; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "
+    print(f"load average {load_start:.1f} at the start, {load:.1f} at the end; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "
           f"{args.readers} readers, {args.in_flight} requests in flight, read-ahead {args.read_ahead_mib} MiB, "
+          f"requests of at most {args.max_request_mib} MiB, "
           f"locality_parts {args.locality_parts} (runs of {args.locality_run_samples}), latency:// cap {args.mbps} MB/s per stream")
-    out = {"settings": vars(args), "load_average": load, "stores": table}
+    out = {"settings": vars(args), "load_average": load, "load_average_start": load_start, "stores": table}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     shutil.rmtree(work, ignore_errors=True)

@@ -25,6 +25,7 @@ crc32c comes from the ``crc32c`` package when installed (extra ``fast``), else g
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import os
 import threading
@@ -157,6 +158,57 @@ def encode_shard(rows: np.ndarray, chunk_rows: int, shard_rows: int, params: Blo
     idx = index.tobytes()
     pieces.append(idx + crc32c(np.frombuffer(idx, np.uint8)).to_bytes(4, "little"))
     return b"".join(pieces)
+
+
+# ---- what a commit record keeps of the data --------------------------------------------------
+# Each shard's chunk table (stored bytes and crc32c of every inner chunk) and the small per-sample arrays
+# are copied into the commit record, so that a reader of an object store needs no request for a shard's
+# index or for the index arrays, and each chunk it reads is checked against the record (binding it to the
+# part). Both are base64 of little-endian bytes: compact, and exact.
+
+_EMPTY_U64 = np.iinfo(np.uint64).max
+
+
+def chunk_table(shard_blob: bytes, n_inner: int) -> str:
+    """The chunk table of a shard object made by :func:`encode_shard`: ``(stored bytes, crc32c)`` of each
+    written inner chunk, in order, as base64 of ``<u8`` pairs."""
+    idx = np.frombuffer(shard_blob, dtype="<u8", count=2 * n_inner, offset=len(shard_blob) - 16 * n_inner - 4)
+    idx = idx.reshape(n_inner, 2)
+    used = idx[idx[:, 0] != _EMPTY_U64]
+    out = np.empty((len(used), 2), dtype="<u8")
+    for i, (off, n) in enumerate(used.tolist()):
+        out[i] = (n, int.from_bytes(shard_blob[off + n - 4:off + n], "little"))
+    return base64.b64encode(out.tobytes()).decode("ascii")
+
+
+def index_from_chunk_table(table: str, n_inner: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(shard index [n_inner, 2] <u8, chunk crc32c [m] <u8)`` from a chunk table: the chunks lie one after
+    another from byte 0 (as :func:`encode_shard` writes them), the rest of the index is empty. Raises
+    ``ValueError`` on a table that cannot be one."""
+    raw = base64.b64decode(table.encode("ascii"), validate=True)
+    if len(raw) % 16 or len(raw) > 16 * n_inner:
+        raise ValueError(f"a chunk table of {len(raw)} bytes for a shard of {n_inner} chunks")
+    pairs = np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+    index = np.full((n_inner, 2), _EMPTY_U64, dtype="<u8")
+    sizes = pairs[:, 0]
+    index[:len(pairs), 0] = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.uint64)]) if len(pairs) else []
+    index[:len(pairs), 1] = sizes
+    return index, pairs[:, 1].copy()
+
+
+def inline_encode(data: np.ndarray) -> str:
+    """A small array's bytes (little endian) as base64, for the commit record."""
+    a = np.ascontiguousarray(data)
+    return base64.b64encode(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()).decode("ascii")
+
+
+def inline_decode(text: str, dtype: np.dtype, n: int) -> np.ndarray:
+    """The array :func:`inline_encode` wrote (``ValueError`` when it does not hold ``n`` items)."""
+    raw = base64.b64decode(text.encode("ascii"), validate=True)
+    dt = np.dtype(dtype).newbyteorder("<")
+    if len(raw) != n * dt.itemsize:
+        raise ValueError(f"{len(raw)} bytes for {n} items of {dt}")
+    return np.frombuffer(raw, dtype=dt).astype(np.dtype(dtype))
 
 
 # ---- bf16 <-> uint16 ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .storage import BytesRangeReader, RangeReader, Storage
 
 T = TypeVar("T")
 _WALK_STEP = 8  # items whose metadata is loaded together
+_COLD_MIN_REQUEST = 1 << 20  # the smallest request the first batch's bytes are split into
 Range = tuple[str, int, int]  # (object key, start, end) in bytes
 
 
@@ -117,14 +118,16 @@ class ReadAhead:
         self._planned: dict[int, list[Range]] = {}  # the ranges of the items planned, not yet walked
         self._held = 0  # bytes of blocks not yet dropped
         self.max_held = 0  # the most ever held (bounded by read_ahead_bytes plus one walk step)
+        self._cold = True  # nothing fetched since the start or a reset: the first item is split over every stream
         self._closed = False
         self.view = ReadAheadStorage(storage, self)
 
     # -- the walk --------------------------------------------------------------------------------
 
     def wrap(self, work: Iterator[T]) -> Iterator[T]:
-        """``work`` in the same order, fetched ahead. Refills when less than a quarter of the budget is held,
-        then walks until the budget is reached. The items after the walk (up to ``read_ahead_bytes`` of their
+        """``work`` in the same order, fetched ahead. The first item is issued and handed out at once (its bytes
+        split over every stream); then the walk refills when less than a quarter of the budget is held, and
+        walks until the budget is reached (less the reserve). The items after the walk (up to ``read_ahead_bytes`` of their
         ranges: the horizon) are planned too, so that a request for one item also covers the ranges that the
         next items need from the same object (see :meth:`_issue`)."""
         queue: collections.deque[T] = collections.deque()  # issued, not yet handed out
@@ -134,12 +137,13 @@ class ReadAhead:
         budget = self.settings.read_ahead_bytes
         # room kept for widening: the walk pauses before the budget is so full that requests would be narrow
         reserve = min(self.settings.max_request_bytes, budget) // 2
+        first = self._cold = True  # the first item is issued (split over every stream) and handed out at once
         while True:
             held = self._held_bytes()
             if not queue or held < budget // 4:
                 walked = 0
                 while (held < budget - reserve or not walked and not queue) and not self._closed:
-                    while not exhausted and spare_bytes < 2 * budget:  # the horizon: twice the budget ahead
+                    while not exhausted and spare_bytes < 2 * budget and not (first and spare):  # the horizon
                         step = list(itertools.islice(work, _WALK_STEP))
                         exhausted = len(step) < _WALK_STEP
                         if self._prepare is not None and step:
@@ -155,6 +159,9 @@ class ReadAhead:
                     held = self._issue(item, spare, budget)
                     queue.append(item)
                     walked += 1
+                    if first:  # hand it out before planning the horizon: the decode threads start now
+                        first = False
+                        break
             if not queue:
                 return
             yield queue.popleft()
@@ -180,6 +187,11 @@ class ReadAhead:
         ranges = self._planned.pop(id(item), None)
         if ranges is None:  # (planned before a reset)
             ranges = self._ranges_of(item)
+        if self._cold:  # the first batch waits for all of its bytes: fetch them over every stream, not widened
+            self._cold = False
+            total = sum(hi - lo for _, lo, hi in ranges)
+            cap = min(cap, max(_COLD_MIN_REQUEST, total // s.requests_in_flight))
+            horizon = ()
         with self._lock:
             mine = self._pending.pop(id(item), [])
             missing: list[Range] = []
@@ -266,6 +278,7 @@ class ReadAhead:
             self._pending.clear()
             self._planned.clear()
             self._held = 0
+            self._cold = True
 
     def close(self) -> None:
         self._closed = True

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codecs import ChecksumError, ChunkDecoder, crc32c, dequantize_fp8, scratch_buffer, u16_to_bf16
+from .codecs import (
+    ChecksumError,
+    ChunkDecoder,
+    crc32c,
+    dequantize_fp8,
+    index_from_chunk_table,
+    inline_decode,
+    scratch_buffer,
+    u16_to_bf16,
+)
 from .errors import CacheCorruptError
 from .parts import PartInfo
 from .storage import Storage
@@ -62,6 +71,10 @@ class ArrayLayout:
     # whole array (small arrays); None in records written before they were recorded
     index_crcs: tuple[int, ...] | None = None
     crc32c: int | None = None
+    # copies the commit record keeps (records written since they were kept; None before): each shard's
+    # chunk table (codecs.chunk_table) and a small array's values (codecs.inline_encode)
+    chunk_tables: tuple[str, ...] | None = None
+    inline: str | None = None
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -83,12 +96,14 @@ def layouts_for(part: PartInfo) -> dict[str, ArrayLayout]:
         shape = tuple(int(s) for s in a["shape"])
         if name in ("features", "scales"):
             dec = feature_decoder(part.codec) if name == "features" else _SMALL_DECODER
-            crcs = a.get("shard_index_crc32c")
+            crcs, tables = a.get("shard_index_crc32c"), a.get("shard_chunks")
             out[name] = ArrayLayout(f"{part.data_key}/{name}", shape, np.dtype(a["dtype"]), part.chunk_tokens,
-                                    part.shard_tokens, dec, index_crcs=None if crcs is None else tuple(crcs))
+                                    part.shard_tokens, dec, index_crcs=None if crcs is None else tuple(crcs),
+                                    chunk_tables=None if tables is None or crcs is None else tuple(tables))
         else:
             out[name] = ArrayLayout(f"{part.data_key}/{name}", shape, np.dtype(a["dtype"]), max(shape[0], 1), None,
-                                    _SMALL_DECODER, crc32c=a.get("crc32c"))
+                                    _SMALL_DECODER, crc32c=a.get("crc32c"),
+                                    inline=a.get("inline") if a.get("crc32c") is not None else None)
     return out
 
 
@@ -98,6 +113,7 @@ class ArrayReader:
     def __init__(self, storage: Storage, layout: ArrayLayout, part_key: str):
         self.storage, self.layout, self.part_key = storage, layout, part_key
         self._index_cache: dict[int, np.ndarray] = {}
+        self._chunk_crcs: dict[int, np.ndarray] = {}  # per shard, from the commit record's chunk table
         self._lock = threading.Lock()
         self._index_lock = threading.Lock()  # held while a shard index is fetched
 
@@ -121,9 +137,36 @@ class ArrayReader:
             return idx
         with self._index_lock:  # read once when threads ask at once
             idx = self._index_cache.get(shard)
-            return idx if idx is not None else self._read_shard_index(shard)
+            if idx is not None:
+                return idx
+            if self.layout.chunk_tables is not None:
+                return self._recorded_shard_index(shard)
+            return self._read_shard_index(shard)
 
-    def _read_shard_index(self, shard: int) -> np.ndarray:
+    def _recorded_shard_index(self, shard: int) -> np.ndarray:
+        """The shard's index from the commit record's chunk table (no request), checked against the index
+        checksum the record also holds; each chunk read is then checked against the table's crc32c."""
+        lay = self.layout
+        n_inner = lay.shard_rows // lay.chunk_rows  # type: ignore[operator]
+        tables, bound = lay.chunk_tables, lay.index_crcs
+        try:
+            idx, crcs = index_from_chunk_table(tables[shard], n_inner)  # type: ignore[index]
+        except (IndexError, ValueError, TypeError) as err:
+            raise self._corrupt(f"the commit record's chunk table of shard {shard} is unreadable ({err})") from None
+        if bound is None or shard >= len(bound) or crc32c(idx.tobytes()) != int(bound[shard]):
+            raise self._corrupt(f"the commit record's chunk table of shard {shard} disagrees with the index "
+                                "checksum it records (a damaged commit record)")
+        with self._lock:
+            self._chunk_crcs[shard] = crcs
+            self._index_cache[shard] = idx
+        return idx
+
+    def stored_shard_index(self, shard: int) -> np.ndarray:
+        """The index stored at the end of the shard object itself (one request; what verify compares the
+        commit record's chunk table with)."""
+        return self._read_shard_index(shard, keep=False)
+
+    def _read_shard_index(self, shard: int, keep: bool = True) -> np.ndarray:
         lay = self.layout
         n_inner = lay.shard_rows // lay.chunk_rows  # type: ignore[operator]
         want = 16 * n_inner + 4
@@ -140,14 +183,17 @@ class ArrayReader:
             raise self._corrupt(f"shard {key} is not the one its commit record names (its index checksum differs: "
                                 "a shard from another part or an earlier writer)")
         idx = np.frombuffer(raw[:-4], dtype="<u8").reshape(n_inner, 2)
-        with self._lock:
-            self._index_cache[shard] = idx
+        if keep:
+            with self._lock:
+                self._index_cache[shard] = idx
         return idx
 
     def read_all(self) -> np.ndarray:
         """The whole array, checked against the commit record's crc32c when it has one (small arrays:
         this binds them to the part)."""
         want = self.layout.crc32c
+        if self.layout.inline is not None:
+            return self._inline(int(want))  # type: ignore[arg-type]
         memo = self.storage.small_arrays if want is not None and self.layout.key.rsplit("/", 1)[-1] in _KEPT else None
         if memo is not None and (got := memo.get((self.layout.key, int(want)))) is not None:
             return got.copy()
@@ -157,6 +203,17 @@ class ArrayReader:
                                 "damaged chunk)")
         if memo is not None:
             memo[(self.layout.key, int(want))] = out.copy()  # type: ignore[arg-type]
+        return out
+
+    def _inline(self, want: int) -> np.ndarray:
+        lay = self.layout
+        try:
+            out = inline_decode(lay.inline, lay.dtype, lay.shape[0])  # type: ignore[arg-type]
+        except (ValueError, TypeError) as err:
+            raise self._corrupt(f"the commit record's copy of the array is unreadable ({err})") from None
+        if crc32c(out) != want:
+            raise self._corrupt("the commit record's copy of the array differs from the crc32c it records (a "
+                                "damaged commit record)")
         return out
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -228,16 +285,24 @@ class ArrayReader:
         if (idx[:, 0] == _EMPTY).any():
             raise self._corrupt(f"shard {key} lacks chunks that the commit record counts")
         lo, hi = int(idx[:, 0].min()), int((idx[:, 0] + idx[:, 1]).max())
+        bound = self._chunk_crcs.get(shard)  # (from the commit record's chunk table, when it has one)
+        first = k0 - shard * per_shard
         try:
             with self.storage.open_range(key, lo, hi) as f:
                 for i, k in enumerate(range(k0, k1 + 1)):
                     off, n = int(idx[i, 0]), int(idx[i, 1])
+                    want = None if bound is None else int(bound[first + i])
                     if not lay.decoder.blosc and lay.decoder.crc:
-                        self._read_raw_chunk(f, off, n, k, start, stop, dest)
+                        self._read_raw_chunk(f, off, n, k, start, stop, dest, want, key)
                         continue
-                    buf = scratch_buffer("chunk", n)  # read one chunk, check and decode it while cache-hot
-                    if f.read_into(off, [memoryview(buf)]) != n:
-                        raise self._corrupt(f"shard {key} is truncated")
+                    held = f.view(off, n)  # (bytes fetched ahead: decoded where they are, no copy)
+                    buf = None if held is None else np.frombuffer(held, dtype=np.uint8)
+                    if buf is None:
+                        buf = scratch_buffer("chunk", n)  # read one chunk, check and decode it while cache-hot
+                        if f.read_into(off, [memoryview(buf)]) != n:
+                            raise self._corrupt(f"shard {key} is truncated")
+                    if want is not None:
+                        self._check_bound(buf[-4:], want, k, key)
                     self._decode(buf, k, start, stop, dest)
         except FileNotFoundError:
             raise self._corrupt(f"shard {key} is missing") from None
@@ -256,7 +321,13 @@ class ArrayReader:
         except ChecksumError as err:
             raise self._corrupt(f"chunk {k}: {err}") from None
 
-    def _read_raw_chunk(self, f, off: int, n: int, k: int, start: int, stop: int, dest: np.ndarray) -> None:
+    def _check_bound(self, stored: np.ndarray, want: int, k: int, key: str) -> None:
+        if int.from_bytes(stored.tobytes(), "little") != want:
+            raise self._corrupt(f"chunk {k} of shard {key} is not the one its commit record names (its checksum "
+                                "differs: a shard from another part or an earlier writer)")
+
+    def _read_raw_chunk(self, f, off: int, n: int, k: int, start: int, stop: int, dest: np.ndarray,
+                        want: int | None = None, key: str = "") -> None:
         """An uncompressed chunk: its requested rows are read straight into ``dest`` (no copy), the rest
         of the chunk into scratch, and the crc32c runs over all of it in order."""
         in_chunk, at, count = self._span(k, start, stop)
@@ -267,6 +338,8 @@ class ArrayReader:
         head, tail = rest[:in_chunk], rest[in_chunk:]
         if f.read_into(off, [memoryview(head), memoryview(dest[at:at + count]), memoryview(tail)]) != n:
             raise self._corrupt(f"shard {self.layout.chunk_key(k)} is truncated")
+        if want is not None:
+            self._check_bound(tail[-4:], want, k, key)
         crc = crc32c(tail[:-4], crc32c(dest[at:at + count], crc32c(head)))
         if crc != int.from_bytes(tail[-4:].tobytes(), "little"):
             raise self._corrupt(f"chunk {k}: chunk checksum mismatch (stored crc32c differs from the data)")

@@ -177,6 +177,15 @@ def _check_features(storage: Storage, part: PartInfo) -> None:
     lay = layouts_for(part)
     readers = {n: ArrayReader(storage, lay[n], part.key) for n in ("features", "scales") if n in lay}
     crcs = dict.fromkeys(readers, 0)
+    for name, r in readers.items():  # each shard's own index too (readers take it from the record's chunk table)
+        tables = r.layout.chunk_tables
+        if tables is None:
+            continue
+        n_shards = -(-part.n_tokens // part.shard_tokens)
+        if len(tables) != n_shards:
+            raise _PartCheck(name, f"the commit record holds {len(tables)} chunk tables for {n_shards} shards")
+        for shard in range(n_shards):
+            r.stored_shard_index(shard)  # checked against the index checksum the record binds, as the table is
     step = part.shard_tokens
     for start in range(0, part.n_tokens, step):
         stop = min(part.n_tokens, start + step)
@@ -204,9 +213,12 @@ def _check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> dict[s
     small = {}
     for name in ("input_ids", "loss_mask", "target_argmax", "offsets", "sample_ids"):
         if name in lay:
-            small[name] = ArrayReader(storage, lay[name], part.key).read(0, lay[name].shape[0])
+            reader = ArrayReader(storage, lay[name], part.key)
+            small[name] = reader.read(0, lay[name].shape[0])
             if crc32c(small[name]) != part.arrays[name]["crc32c"]:
                 raise _PartCheck(name, "crc32c of the data differs from the commit record")
+            if lay[name].inline is not None and not np.array_equal(reader.read_all(), small[name]):
+                raise _PartCheck(name, "the commit record's copy differs from the stored array")
     _check_counts(part, small, cache.bucket_bounds(part.bucket))
     _check_features(storage, part)
     return small

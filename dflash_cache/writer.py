@@ -36,9 +36,11 @@ from .codecs import (
     SMALL_BLOSC,
     BloscParams,
     bf16_to_u16,
+    chunk_table,
     crc32c,
     encode_shard,
     feature_compressors,
+    inline_encode,
     quantize_fp8,
     small_compressors,
 )
@@ -92,6 +94,7 @@ class _ShardedArray:
         self.written = 0  # rows on storage
         self.crc = 0
         self.index_crcs: list[int] = []  # per shard: the crc32c that ends its chunk index (binds it to the part)
+        self.chunk_tables: list[str] = []  # per shard: its chunks' (stored bytes, crc32c), see chunk_table
 
     def push(self, rows: np.ndarray) -> None:
         pos = 0
@@ -111,6 +114,7 @@ class _ShardedArray:
         blob = encode_shard(data, self.chunk, self.shard, self.params)  # one whole shard (or the final partial one)
         self.storage.put(f"{self.key}/c/{shard}/0", blob)
         self.index_crcs.append(int.from_bytes(blob[-4:], "little"))
+        self.chunk_tables.append(chunk_table(blob, self.shard // self.chunk))
         self.crc = crc32c(data, self.crc)
         self.written += self.fill
         self.fill = 0
@@ -119,7 +123,7 @@ class _ShardedArray:
         self.flush()
         self.arr.resize((self.written, self.buf.shape[1]))  # metadata only: the shards are in place
         return {"shape": [self.written, self.buf.shape[1]], "dtype": str(self.buf.dtype), "crc32c": self.crc,
-                "shard_index_crc32c": self.index_crcs}
+                "shard_index_crc32c": self.index_crcs, "shard_chunks": self.chunk_tables}
 
 
 class PartWriter:
@@ -304,10 +308,13 @@ class PartWriter:
 
     # -- commit / abort ---------------------------------------------------------------------------
 
-    def _write_small(self, name: str, data: np.ndarray) -> dict[str, Any]:
+    def _write_small(self, name: str, data: np.ndarray, inline: bool = False) -> dict[str, Any]:
         zarr.create_array(self._store, name=name, data=data, chunks=(max(len(data), 1),),
                           compressors=small_compressors(), fill_value=0, config=_ZCONFIG)
-        return {"shape": [len(data)], "dtype": str(data.dtype), "crc32c": crc32c(data)}
+        rec = {"shape": [len(data)], "dtype": str(data.dtype), "crc32c": crc32c(data)}
+        if inline:  # a copy in the commit record: readers of remote stores need no request for it
+            rec["inline"] = inline_encode(data)
+        return rec
 
     def commit(self) -> PartInfo:
         """Write the remaining data, make it durable, seal this generation, then create the commit
@@ -369,8 +376,8 @@ class PartWriter:
                 continue
             data = np.concatenate(chunks) if chunks else np.zeros(0, np.int32 if name != "loss_mask" else bool)
             arrays[name] = self._write_small(name, data)
-        arrays["offsets"] = self._write_small("offsets", np.asarray(self._offsets, np.int64))
-        arrays["sample_ids"] = self._write_small("sample_ids", np.asarray(self._ids, np.int64))
+        arrays["offsets"] = self._write_small("offsets", np.asarray(self._offsets, np.int64), inline=True)
+        arrays["sample_ids"] = self._write_small("sample_ids", np.asarray(self._ids, np.int64), inline=True)
         st = self.cache.storage
         st.sync_tree(self.data_key)
         sizes = st.list_files(self.data_key)

@@ -64,7 +64,13 @@ MUTANTS = [
     Mutant("verify-skips-whole-array-checksum", "verify catches corruption, also a valid shard of another part",
            "dflash_cache/verify.py", (('        if value != part.arrays[name]["crc32c"]:\n',
                                        "        if False:\n"),),
-           ("tests/test_cache_safety.py::test_verify_catches_a_shard_of_another_part_whose_index_is_the_same",)),
+           ("tests/test_cache_safety.py::test_verify_catches_a_shard_of_another_part_whose_index_is_the_same[no_chunk_tables]",)),
+    Mutant("reader-ignores-recorded-chunk-checksums", "training reads only the part's own chunks: each chunk "
+           "read is checked against the commit record's chunk table",
+           "dflash_cache/reader.py", (("        if int.from_bytes(stored.tobytes(), \"little\") != want:\n",
+                                       "        if False:\n"),),
+           ("tests/test_cache_safety.py::test_verify_catches_a_shard_of_another_part_whose_index_is_the_same"
+            "[chunk_tables]",)),
     Mutant("commit-without-fsync", "commits are durable: the tree is fsynced before the commit record",
            "dflash_cache/writer.py", (("        st.sync_tree(self.data_key)\n", ""),),
            ("tests/test_cache_safety.py::test_commit_makes_the_tree_durable_then_creates_the_record_exclusively",)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -66,10 +67,46 @@ def test_info_reads_as_text(cache_dir, capsys):
 def test_truncated_chunk_file(cache_dir, capsys):
     part = _first_part(cache_dir)
     shard = _shard(cache_dir, part)
-    shard.write_bytes(shard.read_bytes()[:-37])
+    shard.write_bytes(shard.read_bytes()[:-(16 * 4 + 4 + 10)])  # the index (4 chunks) and 10 bytes of the last chunk
+    cache = open_cache(str(cache_dir))
+    # the reader takes the shard's index from the commit record: the last chunk's bytes are cut short
     with pytest.raises(CacheCorruptError, match="truncated"):
-        open_cache(str(cache_dir)).read_samples([part_first_id(cache_dir, part)])
+        cache.read_rows(part, list(range(part.n_samples)))
     _assert_verify_names(cache_dir, part.key, "features", capsys)
+
+
+def test_damaged_shard_index_is_named_by_verify(cache_dir, capsys):
+    """Readers take a shard's index from the commit record's chunk table; verify reads the shard's own."""
+    part = _first_part(cache_dir)
+    shard = _shard(cache_dir, part)
+    shard.write_bytes(shard.read_bytes()[:-37])  # within the index (4 chunks: 68 bytes)
+    cache = open_cache(str(cache_dir))
+    assert len(cache.read_rows(part, list(range(part.n_samples)))) == part.n_samples  # chunks intact
+    with pytest.raises(CacheCorruptError, match="truncated or its index checksum fails"):
+        verify_cache(str(cache_dir))
+    _assert_verify_names(cache_dir, part.key, "features", capsys)
+
+
+@pytest.mark.parametrize("field", ["shard_chunks", "inline"])
+def test_a_damaged_copy_in_the_commit_record_is_refused(cache_dir, field):
+    part = _first_part(cache_dir)
+    path = cache_dir / part.key / "commit.json"
+    rec = json.loads(path.read_bytes())
+    arr = rec["arrays"]["features" if field == "shard_chunks" else "offsets"]
+    if field == "shard_chunks":
+        raw = bytearray(base64.b64decode(arr["shard_chunks"][0]))
+        raw[0] ^= 1  # the first chunk's size
+        arr["shard_chunks"][0] = base64.b64encode(bytes(raw)).decode()
+    else:
+        raw = bytearray(base64.b64decode(arr["inline"]))
+        raw[8] ^= 1  # the second offset
+        arr["inline"] = base64.b64encode(bytes(raw)).decode()
+    path.write_text(json.dumps(rec, indent=1))
+    want = "chunk table of shard 0 disagrees" if field == "shard_chunks" else "copy of the array differs"
+    cache = open_cache(str(cache_dir))
+    with pytest.raises(CacheCorruptError, match=want) as err:
+        cache.read_rows(next(p for p in cache.parts() if p.key == part.key), [0])
+    assert err.value.part == part.key
 
 
 def part_first_id(url: Path, part) -> int:
@@ -187,6 +224,10 @@ class CountingStorage(LocalStorage):
         self.reads.append(key)
         return super().get_range(key, start, end)
 
+    def open_range(self, key, start, end):
+        self.reads.append(key)
+        return super().open_range(key, start, end)
+
     def get_suffix(self, key, n):
         self.reads.append(key)
         return super().get_suffix(key, n)
@@ -197,8 +238,8 @@ def test_index_reads_no_feature_chunk(cache_dir):
     cache = open_cache(str(cache_dir), storage=st)
     idx = cache.index()
     assert len(idx) == 40 and sorted(idx.lengths.tolist()) == [40 + 3 * i for i in range(40)]
-    assert any("/offsets/" in k for k in st.reads) and any("/sample_ids/" in k for k in st.reads)
-    assert not [k for k in st.reads if "/features/" in k or "/scales/" in k]
+    # sample_ids and offsets come from the commit records' copies: nothing but records is read
+    assert st.reads and not [k for k in st.reads if not k.endswith("commit.json") and not k.endswith("zarr.json")]
     cache.read_sample(int(idx.sample_ids[0]))  # the counter does see feature reads
     assert [k for k in st.reads if "/features/" in k]
 

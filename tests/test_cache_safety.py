@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -173,9 +174,20 @@ def test_verify_catches_a_valid_shard_copied_from_another_part(tmp_path, monkeyp
     assert (err.value.part, err.value.array) == (a.key, "features")
 
 
-def test_verify_catches_a_shard_of_another_part_whose_index_is_the_same(tmp_path, monkeypatch):
+def _drop_chunk_tables(url, part) -> None:
+    """Rewrite ``part``'s commit record as records were before they kept each shard's chunk table."""
+    path = url / part.key / "commit.json"
+    rec = json.loads(path.read_bytes())
+    for a in rec["arrays"].values():
+        a.pop("shard_chunks", None)
+    path.write_text(json.dumps(rec, indent=1))
+
+
+@pytest.mark.parametrize("record", ["chunk_tables", "no_chunk_tables"])
+def test_verify_catches_a_shard_of_another_part_whose_index_is_the_same(tmp_path, monkeypatch, record):
     """Uncompressed parts of equal length: the copied shard's index, and so the checksum the record binds,
-    is the same as the original's; only the whole-array checksum of the contents tells them apart."""
+    is the same as the original's. The record's chunk table (each chunk's crc32c) tells them apart at read
+    time; in a record without one, only verify's whole-array checksum of the contents does."""
     monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
     url = tmp_path / "c"
     make_synthetic_cache(str(url), 24, lengths=[100] * 24, samples_per_part=8, bucket_edges=(64, 128),
@@ -185,12 +197,22 @@ def test_verify_catches_a_shard_of_another_part_whose_index_is_the_same(tmp_path
     assert a.arrays["features"]["shard_index_crc32c"] == b.arrays["features"]["shard_index_crc32c"]
     shard_a, shard_b = (url / p.data_key / "features" / "c" / "0" / "0" for p in (a, b))
     assert shard_a.read_bytes() != shard_b.read_bytes()
+    if record == "no_chunk_tables":
+        _drop_chunk_tables(url, a)
     assert verify_cache(str(url)).ok
     shutil.copyfile(shard_b, shard_a)
     cache = open_cache(str(url))
-    cache.read_samples([int(cache.index().sample_ids[0])])  # the reader's checks pass: chunk and index checksums
-    with pytest.raises(CacheCorruptError, match="crc32c of the data differs") as err:
-        verify_cache(str(url))
+    first = int(cache.index().sample_ids[0])
+    if record == "no_chunk_tables":
+        cache.read_samples([first])  # the reader's checks pass: chunk and index checksums
+        with pytest.raises(CacheCorruptError, match="crc32c of the data differs") as err:
+            verify_cache(str(url))
+    else:
+        with pytest.raises(CacheCorruptError, match="not the one its commit record names") as read_err:
+            cache.read_samples([first])
+        assert (read_err.value.part, read_err.value.array) == (a.key, "features")
+        with pytest.raises(CacheCorruptError, match="not the one its commit record names") as err:
+            verify_cache(str(url))
     assert (err.value.part, err.value.array) == (a.key, "features")
 
 

@@ -124,6 +124,14 @@ def _missing_small_array(c: Path) -> str:
     return f"part {p.key}, array sample_ids: zarr.json is missing"
 
 
+def _missing_token_array(c: Path) -> str:
+    """A small array the trainer reads (sample_ids and offsets it takes from the commit record's copies,
+    which verify compares with the stored arrays)."""
+    p = _parts(c)[0][1]
+    shutil.rmtree(c / p.data_key / "input_ids")
+    return f"part {p.key}, array input_ids: zarr.json is missing"
+
+
 def _flipped_feature(c: Path) -> str:
     p = _parts(c)[0][0]
     _flip(c / p.data_key / "features" / "c" / "0" / "0", 40)
@@ -167,7 +175,7 @@ def test_load_head_refuses_a_damaged_head(cache, damage):
 def test_loader_quarantines_parts_with_a_bad_commit_record_or_small_arrays(cache):
     idx = open_cache(str(cache)).index()
     ids_in = {p.key: set(idx.sample_ids[idx.part == i].tolist()) for i, p in enumerate(idx.parts)}
-    bad = sorted([_garbled_commit(cache).split(",")[0][5:], _missing_small_array(cache).split(",")[0][5:]])
+    bad = sorted([_garbled_commit(cache).split(",")[0][5:], _missing_token_array(cache).split(",")[0][5:]])
     cfg = {"tokens_per_batch": 1024, "num_readers": 2, "max_buffer_bytes": 1 << 24, "holdout_fraction": 0.0}
     c = open_cache(str(cache))
     with pytest.raises(CacheCorruptError):

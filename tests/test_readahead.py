@@ -4,6 +4,7 @@ as from local disk read in place, in a few coalesced range requests, within its 
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 import dflash_cache.latency_fs as latency_fs
 from dflash_cache import open_cache
-from dflash_cache.readahead import coalesce
+from dflash_cache.readahead import ReadAhead, ReadAheadSettings, coalesce
 from dflash_cache.synthetic import make_synthetic_cache
 from train.config import LoaderConfig
 from train.data.loader import StreamingLoader
@@ -57,6 +58,51 @@ def test_coalesce_merges_near_ranges_of_one_object_within_the_request_cap() -> N
     assert coalesce(ranges, gap=100, max_bytes=1000) == [("a", 0, 120), ("b", 0, 5)]
     assert coalesce(ranges, gap=100, max_bytes=35) == [("a", 0, 30), ("a", 28, 40), ("a", 100, 120), ("b", 0, 5)]
     assert coalesce([("a", 0, 500)], gap=0, max_bytes=10) == [("a", 0, 500)]  # one range is never split
+
+
+class _MemoryRanges:
+    """A storage whose range reads return zeros and are recorded (key, start, end)."""
+
+    is_local, url = False, "memory://ranges"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        with self._lock:
+            self.calls.append((key, start, end))
+        return bytes(end - start)
+
+
+def test_the_first_batch_is_split_over_every_stream_and_handed_out_before_the_horizon_is_planned() -> None:
+    """Time to the first batch: its bytes come in requests_in_flight pieces at once (a wide request streams
+    at one connection's rate), and it is handed out before the items after it are planned; the batches
+    after it are fetched in wide requests again."""
+    mib = 1 << 20
+    items = list(range(24))  # each item: 40 samples of 200 KB, one after another in shard object "s"
+    def ranges_of(i: int) -> list[tuple[str, int, int]]:
+        planned.append(i)
+        return [("s", (i * 40 + j) * 200_000, (i * 40 + j + 1) * 200_000) for j in range(40)]
+    planned: list[int] = []
+    store = _MemoryRanges()
+    ahead = ReadAhead(store, ReadAheadSettings(read_ahead_bytes=64 * mib, requests_in_flight=8,
+                                               coalesce_gap_bytes=mib, max_request_bytes=16 * mib), ranges_of)
+    try:
+        stream = ahead.wrap(iter(items))
+        assert next(stream) == 0
+        # only the first walk step (8 items) was planned before it was handed out, not the horizon (16 items)
+        assert planned == items[:len(planned)] and len(planned) <= 8, planned
+        ahead.done(0)
+        rest = list(stream)
+        assert rest == items[1:] and sorted(set(planned)) == items
+    finally:
+        ahead.close()
+    first = [c for c in store.calls if c[2] <= 40 * 200_000]
+    assert len(first) == 8 and max(b - a for _, a, b in first) <= 1_000_000 + 200_000, first
+    assert sum(b - a for _, a, b in first) == 40 * 200_000  # exactly the first batch's bytes
+    later = [b - a for _, a, b in store.calls if a >= 40 * 200_000]
+    assert later and max(later) > 8 * mib, later  # then wide requests again
 
 
 def test_store_batches_equal_local_batches_in_few_requests(cache_path: str) -> None:
@@ -194,17 +240,21 @@ def test_locality_runs_bring_requests_per_sample_to_a_tenth(tmp_path) -> None:
     url = f"latency://{path}"
     ahead = {"read_ahead": "on", "read_ahead_bytes": 4 << 20}  # a third of the cache
     shuffled, a = _epochs(url, epochs=1, **ahead)
+    latency_fs.reset_counters()
     runs, b = _epochs(url, epochs=1, **ahead, locality_parts=1, locality_run_samples=32)
+    every = latency_fs.counters()["by_kind"]
     assert sorted(torch.cat([x.sample_ids for x in runs]).tolist()) == list(range(512))
     per_sample, before = b.read_counters.requests / 512, a.read_counters.requests / 512
     assert per_sample <= 0.1 < before, (per_sample, before)
     assert b.read_counters.direct_requests == 0
+    # every request from opening the cache to the end of the epoch: commit records, small arrays, listings
+    assert sum(every.values()) / 512 <= 0.1, every
 
 
 def test_a_remote_epoch_reads_each_parts_metadata_once(cache_path: str) -> None:
-    """Through the read-ahead on a remote store: one request per commit record and per small array of each
-    part (the index and the readers share sample_ids and offsets; two scans share the commit records), and
-    shard indexes by suffix requests without a HEAD for the size."""
+    """Through the read-ahead on a remote store: one request per commit record and per token array of each
+    part (input_ids, loss_mask; sample_ids, offsets and every shard's chunk table come with the commit record,
+    which two scans share), and no request for a shard's index."""
     url = f"latency://{cache_path}"
     n_parts = len(open_cache(url).parts())
     latency_fs.reset_counters()
@@ -213,7 +263,5 @@ def test_a_remote_epoch_reads_each_parts_metadata_once(cache_path: str) -> None:
     assert sum(len(b.sample_ids) for b in batches) == N
     assert kinds.get("head", 0) <= 1, kinds  # (open_cache: does the root exist)
     assert kinds["commit record"] == n_parts, (kinds, n_parts)
-    assert kinds["small array"] == 4 * n_parts, (kinds, n_parts)  # sample_ids, offsets, input_ids, loss_mask
-    shards = [f for f in Path(cache_path).rglob("*") if f.is_file() and ("/features/c/" in str(f)
-                                                                          or "/scales/c/" in str(f))]
-    assert kinds["feature range"] - loader.read_counters.requests == len(shards)  # + one index read per shard
+    assert kinds["small array"] == 2 * n_parts, (kinds, n_parts)  # input_ids, loss_mask
+    assert kinds["feature range"] == loader.read_counters.requests  # (no shard index read)
