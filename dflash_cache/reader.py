@@ -295,12 +295,9 @@ class ArrayReader:
                     if not lay.decoder.blosc and lay.decoder.crc:
                         self._read_raw_chunk(f, off, n, k, start, stop, dest, want, key)
                         continue
-                    held = f.view(off, n)  # (bytes fetched ahead: decoded where they are, no copy)
-                    buf = None if held is None else np.frombuffer(held, dtype=np.uint8)
-                    if buf is None:
-                        buf = scratch_buffer("chunk", n)  # read one chunk, check and decode it while cache-hot
-                        if f.read_into(off, [memoryview(buf)]) != n:
-                            raise self._corrupt(f"shard {key} is truncated")
+                    buf = scratch_buffer("chunk", n)  # read one chunk, check and decode it while cache-hot
+                    if f.read_into(off, [memoryview(buf)]) != n:
+                        raise self._corrupt(f"shard {key} is truncated")
                     if want is not None:
                         self._check_bound(buf[-4:], want, k, key)
                     self._decode(buf, k, start, stop, dest)

@@ -146,11 +146,6 @@ class RangeReader:
         """Fill ``bufs`` in order from byte ``start`` of the object; returns the bytes read."""
         raise NotImplementedError
 
-    def view(self, start: int, n: int) -> memoryview | None:
-        """Bytes ``[start, start + n)`` without a copy when the reader holds them in memory, else None
-        (then use :meth:`read_into`)."""
-        return None
-
     def close(self) -> None:
         pass
 
@@ -165,11 +160,6 @@ class BytesRangeReader(RangeReader):
     def __init__(self, data: bytes, offset: int):
         self.data, self.offset = memoryview(data), offset
 
-    def view(self, start: int, n: int) -> memoryview | None:
-        pos = start - self.offset
-        if pos < 0 or pos + n > len(self.data):
-            return None
-        return self.data[pos:pos + n]
 
     def read_into(self, start: int, bufs: list[memoryview]) -> int:
         pos = start - self.offset

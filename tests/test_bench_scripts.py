@@ -83,6 +83,17 @@ def test_bench_http_client_measures_both_transports(monkeypatch, tmp_path, capsy
         assert r[name]["cpu_ms_per_request"]["median"] > 0 and r[name]["rps_8_in_flight_50ms"]["median"] > 0
 
 
+def test_bench_decode_rates_measures_every_codec(monkeypatch, tmp_path):
+    out = tmp_path / "rates.json"
+    _run(monkeypatch, "bench_decode_rates", "--tokens", "3000", "--hidden", "64", "--rounds", "1",
+         "--workdir", str(tmp_path / "w"), "--out", str(out))
+    res = json.loads(out.read_text())
+    assert set(res["codecs"]) == {"bf16-raw", "bf16-zstd", "bf16-lz4", "fp8-e4m3"}
+    for codec, row in res["codecs"].items():
+        assert row["gb_per_cpu_s_median"] > 0, codec
+    assert res["codecs"]["fp8-e4m3"]["stored_over_raw"] < 0.6  # one byte per value plus scales
+
+
 def test_bench_object_store_runs_every_store_and_reports_requests(monkeypatch, tmp_path):
     out = tmp_path / "object_store.json"
     _run(monkeypatch, "bench_object_store", "--samples", "24", "--hidden", "32", "--median-length", "64",
