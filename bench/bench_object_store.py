@@ -149,12 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="length bucket edges ('' for one bucket: every part but the last is full)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--readers", type=int, default=2)
-    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--in-flight", type=int, default=32)
     ap.add_argument("--locality-parts", type=int, default=None,
                     help="loader.locality_parts for every store (the same plan for all)")
     ap.add_argument("--locality-run-samples", type=int, default=None, help="loader.locality_run_samples")
-    ap.add_argument("--read-ahead-mib", type=int, default=256)
-    ap.add_argument("--max-request-mib", type=int, default=64, help="loader.max_request_bytes in MiB")
+    ap.add_argument("--read-ahead-mib", type=int, default=1024)
+    ap.add_argument("--max-request-mib", type=int, default=32, help="loader.max_request_bytes in MiB")
+    ap.add_argument("--other-settings", default=None, metavar="MIB,IN_FLIGHT,REQUEST_MIB",
+                    help="also time the latency:// stores with these read-ahead settings (e.g. 256,16,64)")
     ap.add_argument("--mbps", type=float, default=100.0, help="bandwidth cap per request stream of latency://")
     ap.add_argument("--no-s3", action="store_true", help="skip the loopback moto S3 server")
     ap.add_argument("--workdir", default="/tmp/bench_object_store")
@@ -171,12 +173,18 @@ def main(argv: list[str] | None = None) -> int:
                          chunk_tokens=256, shard_tokens=16384, with_head=False, seed=1)
     stores = {"local": (local, "off", None), "latency-0ms": (f"latency://{local}", "auto", 0.0),
               "latency-20ms": (f"latency://{local}", "auto", 20.0)}
+    other = None
+    if args.other_settings:  # the latency:// stores again with other read-ahead settings, in the same rounds
+        other = tuple(int(v) for v in args.other_settings.split(","))
+        for ms in (0, 20):
+            stores[f"latency-{ms}ms (other settings)"] = (f"latency://{local}", "auto", float(ms))
     moto = None
     try:
         if not args.no_s3:
             port = _free_port()
             moto = start_moto(port)
             stores["s3"] = (upload(local, port), "auto", None)
+        os.sync()  # the cache's dirty pages written out before timing: a flush would compete with the rounds
         one_epoch(local, args.readers, "off", args.in_flight, args.locality_parts,
                   run_samples=args.locality_run_samples)  # warm the page cache
         runs: dict[str, list[dict]] = {k: [] for k in stores}
@@ -184,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, (url, mode, ms) in stores.items():
                 if ms is not None:
                     latency_fs.configure(ms, args.mbps)
-                runs[name].append(one_epoch(url, args.readers, mode, args.in_flight, args.locality_parts,
-                                            args.read_ahead_mib, args.locality_run_samples, args.max_request_mib))
+                mib, in_flight, req = other if name.endswith(" (other settings)") else (
+                    args.read_ahead_mib, args.in_flight, args.max_request_mib)
+                runs[name].append(one_epoch(url, args.readers, mode, in_flight, args.locality_parts,
+                                            mib, args.locality_run_samples, req))
     finally:
         if moto is not None:
             moto.terminate()
@@ -224,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {load_start:.1f} at the start, {load:.1f} at the end; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "
           f"{args.readers} readers, {args.in_flight} requests in flight, read-ahead {args.read_ahead_mib} MiB, "
           f"requests of at most {args.max_request_mib} MiB, "
-          f"locality_parts {args.locality_parts} (runs of {args.locality_run_samples}), latency:// cap {args.mbps} MB/s per stream")
+          f"locality_parts {args.locality_parts} (runs of {args.locality_run_samples}), latency:// cap {args.mbps} MB/s per stream"
+          + (f"; other settings (read-ahead MiB, in flight, request MiB): {args.other_settings}" if other else ""))
     out = {"settings": vars(args), "load_average": load, "load_average_start": load_start, "stores": table}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -29,10 +29,10 @@ from .template import TokenizeStats, check_chat_template
 # fp8 adds one fp32 scale per token per layer.
 CODEC_RATIO = {"bf16-raw": 1.0, "bf16-zstd": 0.69, "bf16-lz4": 0.80, "fp8-e4m3": 0.5 * 0.87}
 SMALL_BYTES_PER_TOKEN = 5  # input_ids (int32) + loss_mask (bool), before compression
-# Decoded GB/s of features per reader core through the loader (docs/performance.md, "Loader": bf16-zstd 1.30,
-# bf16-raw 3.71 measured per CPU-second; bf16-lz4 and fp8-e4m3 not measured through the loader: codec-level
-# figures scaled the same way); override with --decode-gbps after measuring on the training host.
-DECODE_GBPS_PER_CORE = {"bf16-raw": 3.7, "bf16-zstd": 1.3, "bf16-lz4": 1.6, "fp8-e4m3": 1.0}
+# Decoded GB/s of features (bf16 bytes delivered) per reader core through the loader, every codec measured side
+# by side: bench/bench_decode_rates.py (27B width, 1 reader, median of 3 interleaved rounds, docs/performance.md);
+# override with --decode-gbps after measuring on the training host.
+DECODE_GBPS_PER_CORE = {"bf16-raw": 3.2, "bf16-zstd": 1.06, "bf16-lz4": 2.0, "fp8-e4m3": 0.26}
 
 
 @dataclass

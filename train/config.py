@@ -212,14 +212,18 @@ class LoaderConfig(Section):
     """Fetch the planned batches' feature bytes ahead of the decode threads, in few large coalesced range
     requests with many in flight (docs/performance.md); `auto`: on for object stores and other fsspec URLs,
     off for local paths (read in place)."""
-    read_ahead_bytes: int = Field(256 << 20, gt=0)
-    """Compressed bytes fetched (or in flight) ahead of the decode threads, at most (host memory)."""
-    requests_in_flight: int = Field(16, gt=0)
-    """Range requests running at once (separate threads from the decode threads)."""
+    read_ahead_bytes: int = Field(1 << 30, gt=0)
+    """Compressed bytes fetched (or in flight) ahead of the decode threads, at most (host memory). A request
+    streams at one connection's rate (~100 MB/s on S3), so keep it at least `requests_in_flight` x
+    `max_request_bytes` (docs/performance.md: these defaults against 256 MiB, 16 and 64 MiB)."""
+    requests_in_flight: int = Field(32, gt=0)
+    """Range requests running at once (separate threads from the decode threads; keep the S3 connection
+    pool, 64 by default, above it)."""
     coalesce_gap_bytes: int = Field(1 << 20, ge=0)
     """Ranges of one shard object at most this far apart are fetched in one request (the gap is read too)."""
-    max_request_bytes: int = Field(64 << 20, gt=0)
-    """Largest coalesced request (a single sample's range is never split)."""
+    max_request_bytes: int = Field(32 << 20, gt=0)
+    """Largest coalesced request (a single sample's range is never split). The first batch after a start or
+    resume is split over every stream instead (its bytes / `requests_in_flight`, at least 1 MiB)."""
 
 
 
