@@ -38,7 +38,7 @@ def test_held_out_evaluation_skips_corrupt_parts_too(tmp_path):
     url = _cache(tmp_path)
     parts = open_cache(str(url)).parts()
     (url / parts[0].key / "commit.json").write_text("{ not json")  # a bad commit record
-    (url / parts[1].data_key / "sample_ids" / "c" / "0").write_bytes(b"garbled")  # garbled small array
+    (url / parts[1].data_key / "input_ids" / "c" / "0").write_bytes(b"garbled")  # garbled token array
     sets = ["loader.holdout_fraction=0.3", "eval.every_steps=1", "eval.live_prompts=0"]
     _one_line_error(run_train(BASE, str(url), tmp_path / "run", *sets, expect=2))
     proc = run_train(BASE, str(url), tmp_path / "run-skip", *sets, "loader.on_corrupt=skip")
