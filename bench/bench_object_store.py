@@ -77,7 +77,8 @@ def _cpu() -> float:
 
 
 def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality: int | None = None,
-              read_ahead_mib: int = 256, run_samples: int | None = None, max_request_mib: int = 64) -> dict[str, float]:
+              read_ahead_mib: int = 256, run_samples: int | None = None, max_request_mib: int = 64,
+              epochs: int = 1) -> dict[str, float]:
     cfg = LoaderConfig(tokens_per_batch=16384, num_readers=readers, max_buffer_bytes=1 << 30, holdout_fraction=0.0,
                        read_ahead=read_ahead, requests_in_flight=in_flight, pin_memory=False,
                        locality_parts=locality, locality_run_samples=run_samples,
@@ -90,16 +91,17 @@ def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality:
     with RequestCount() as count:
         t0, c0 = time.perf_counter(), _cpu()
         cache = open_cache(url)  # the loader's own, so that its requests are counted from the start
-        with StreamingLoader(cache, cfg, **BLOCKS, seed=0, max_epochs=1) as loader:
-            for b in loader:
-                tokens += b.n_tokens
-                samples += len(b.sample_ids)
+        with StreamingLoader(cache, cfg, **BLOCKS, seed=0, max_epochs=epochs) as loader:
+            while loader.epoch < epochs:
+                for b in loader:
+                    tokens += b.n_tokens
+                    samples += len(b.sample_ids)
             wall, cpu = time.perf_counter() - t0, _cpu() - c0
             rc = loader.read_counters.as_dict()
             by_kind = dict(count.by_kind)
     index = cache.index()
     per_token = [stored[index.parts[int(p)].key] for p in index.part]
-    used = float(sum(per_token[i] * int(index.lengths[i]) for i in range(len(per_token))))
+    used = epochs * float(sum(per_token[i] * int(index.lengths[i]) for i in range(len(per_token))))
     requests = rc["requests"] if read_ahead != "off" else None
     return {"tokens_per_s": tokens / wall, "samples": samples, "tokens": tokens,
             "requests_per_sample": None if requests is None else requests / samples,
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-edges", default="256,512,1024,2048",
                     help="length bucket edges ('' for one bucket: every part but the last is full)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=1, help="epochs per round and store (one open, one loader)")
     ap.add_argument("--readers", type=int, default=2)
     ap.add_argument("--in-flight", type=int, default=32)
     ap.add_argument("--locality-parts", type=int, default=None,
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 mib, in_flight, req = other if name.endswith(" (other settings)") else (
                     args.read_ahead_mib, args.in_flight, args.max_request_mib)
                 runs[name].append(one_epoch(url, args.readers, mode, in_flight, args.locality_parts,
-                                            mib, args.locality_run_samples, req))
+                                            mib, args.locality_run_samples, req, args.epochs))
     finally:
         if moto is not None:
             moto.terminate()
