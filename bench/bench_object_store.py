@@ -1,8 +1,13 @@
 """Loader tokens/s from an object store vs local disk: the same cache, interleaved rounds.
 
-    python bench/bench_object_store.py [--samples 400] [--hidden 512] [--rounds 3] [--no-s3]
+    python bench/bench_object_store.py [--samples 400] [--hidden 512] [--rounds 3] [--epochs 1] [--no-s3]
+        [--read-ahead-mib 1024 --in-flight 32 --max-request-mib 32] [--other-settings 256,16,64]
 
-Stores compared (every one reads the same cache, one epoch per round, rounds interleaved):
+    # the figures of docs/performance.md (object storage):
+    python bench/bench_object_store.py --samples 2048 --bucket-edges "" --locality-parts 1 \
+        --locality-run-samples 128 --other-settings 256,16,64
+
+Stores compared (every one reads the same cache, ``--epochs`` epochs per round, rounds interleaved):
 - ``local``: the cache on local disk, read in place (loader.read_ahead = off: the default there);
 - ``latency-0ms`` / ``latency-20ms``: ``latency://`` (dflash_cache.latency_fs) over the same files,
   every request waiting 0 or 20 ms and streaming at most ``--mbps`` MB/s (a per-connection cap);
