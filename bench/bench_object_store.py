@@ -51,7 +51,7 @@ BLOCKS = {"num_anchors": 512, "block_size": 16}
 
 class RequestCount:
     """Requests the storage layer issues for remote stores (FsspecStorage), by kind (see latency_fs._kind):
-    one call of get / get_range / get_suffix / list_dir / exists is one request."""
+    one call of get / get_range / read_into / get_suffix / list_dir / exists is one request."""
 
     def __init__(self) -> None:
         self.by_kind: collections.Counter[str] = collections.Counter()
@@ -59,8 +59,8 @@ class RequestCount:
         self._saved = {}
 
     def __enter__(self) -> RequestCount:
-        for name, verb in (("get", "get"), ("get_range", "get"), ("get_suffix", "get"), ("list_dir", "list"),
-                           ("exists", "head")):
+        for name, verb in (("get", "get"), ("get_range", "get"), ("read_into", "get"), ("get_suffix", "get"),
+                           ("list_dir", "list"), ("exists", "head")):
             orig = self._saved[name] = getattr(FsspecStorage, name)
 
             def counted(storage, key, *a, _orig=orig, _verb=verb, **kw):

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
 PROTOCOL = "latency"
 _listing = threading.local()
@@ -74,6 +74,35 @@ def _wait(nbytes: int, started: float) -> None:
         time.sleep(left)
 
 
+class _LatencyFile(LocalFileOpener):
+    """A file opened for reading: each read (``read`` or ``readinto``, e.g. a whole or ranged GET) is one
+    modelled request; opening and seeking are not."""
+
+    def _request(self, read: Any, arg: Any) -> Any:
+        t0 = time.perf_counter()
+        with _Model.lock:
+            _Model.in_flight += 1
+            _Model.max_in_flight = max(_Model.max_in_flight, _Model.in_flight)
+        try:
+            _count(self.path, "get")
+            out = read(arg)
+            n = out if isinstance(out, int) else len(out)
+            with _Model.lock:
+                _Model.requests += 1
+                _Model.bytes_read += n
+            _wait(n, t0)
+        finally:
+            with _Model.lock:
+                _Model.in_flight -= 1
+        return out
+
+    def read(self, size: int = -1) -> bytes:
+        return self._request(self.f.read, size)
+
+    def readinto(self, buf: Any) -> int:
+        return self._request(self.f.readinto, buf)
+
+
 class LatencyFileSystem(LocalFileSystem):
     protocol = (PROTOCOL,)
     root_marker = "/"
@@ -85,22 +114,10 @@ class LatencyFileSystem(LocalFileSystem):
             path = path[len(PROTOCOL) + 3:]
         return super()._strip_protocol(path)
 
-    def cat_file(self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-        t0 = time.perf_counter()
-        with _Model.lock:
-            _Model.in_flight += 1
-            _Model.max_in_flight = max(_Model.max_in_flight, _Model.in_flight)
-        try:
-            _count(path, "get")
-            data = super().cat_file(path, start=start, end=end, **kwargs)
-            with _Model.lock:
-                _Model.requests += 1
-                _Model.bytes_read += len(data)
-            _wait(len(data), t0)
-        finally:
-            with _Model.lock:
-                _Model.in_flight -= 1
-        return data
+    def _open(self, path: Any, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
+        if "r" not in mode:
+            return super()._open(path, mode, block_size, **kwargs)
+        return _LatencyFile(self._strip_protocol(path), mode, fs=self, **kwargs)
 
     def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
         if getattr(_listing, "on", False):  # the local listing's own stat: part of the one LIST request

@@ -16,17 +16,23 @@ for one item is widened to the ranges of the same object those next items need, 
 the block's users, so that it stays until they are decoded; a part's samples planned close together are
 then fetched in few requests even when consecutive batches alternate between parts.
 
-Memory is bounded: the walk stops while ``read_ahead_bytes`` are held (less half a request's worth, kept
-free so that requests stay wide), and a block is dropped as soon as every batch that needed it has been
-assembled. Metadata the ranges depend on (each part's
-offsets and shard indexes) is read for all parts new to a group at once, in parallel.
+Memory is bounded: the walk stops while ``read_ahead_bytes`` are held (less a request's worth, up to half the
+budget, kept free so that requests stay wide) and goes on as soon as blocks are dropped, so that requests
+stay in flight while the decode threads work through what is held; a block is dropped as soon as every
+batch that needed it has been assembled. Where the storage reads into a caller's buffer (local and
+mounted filesystems, ``latency://``), a dropped block's buffer is reused by a later request
+(:class:`BufferPool`): writing fresh memory costs a page fault per page, as much CPU as the read itself.
+Metadata the ranges depend on (each part's offsets and shard indexes) is read for all parts new to a group
+at once, in parallel.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import itertools
+import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +43,10 @@ from .storage import BytesRangeReader, RangeReader, Storage
 T = TypeVar("T")
 _WALK_STEP = 8  # items whose metadata is loaded together
 _COLD_MIN_REQUEST = 1 << 20  # the smallest request the first batch's bytes are split into
+# fetch buffers: private anonymous memory, its pages mapped in one call where the OS can (Linux: 30-40% less
+# CPU than faulting them in one by one as the first read writes them)
+_MAP_FLAGS = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)} if hasattr(
+    mmap, "MAP_ANONYMOUS") else {}
 Range = tuple[str, int, int]  # (object key, start, end) in bytes
 
 
@@ -71,11 +81,79 @@ class ReadCounters:
                                                "metadata_requests")}
 
 
+class BufferPool:
+    """Fetch buffers, reused: a block's buffer goes back here when the block is dropped, and the next request
+    that fits reads into it. A fresh buffer costs a page fault per 4 KiB page when it is first written (in a
+    VM, a trap to the host): 17-29 ms per 32 MiB on the machine of docs/performance.md, against 2 ms to read
+    into a reused one. Sizes are rounded up to ``granule`` bytes; a free buffer serves a request of more
+    than half its size. Free buffers beyond ``keep`` bytes are unmapped, largest first."""
+
+    def __init__(self, keep: int, granule: int):
+        self.keep, self.granule = keep, max(granule, mmap.PAGESIZE)
+        self._free: list[mmap.mmap] = []
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+        self.mapped = 0  # buffers mapped so far (a reused one counted once)
+
+    def acquire(self, n: int) -> mmap.mmap:
+        with self._lock:
+            fits = [m for m in self._free if n <= len(m) < 2 * max(n, self.granule)]
+            if fits:
+                m = min(fits, key=len)
+                self._free.remove(m)
+                self._free_bytes -= len(m)
+                return m
+            self.mapped += 1
+        return mmap.mmap(-1, -(-max(n, 1) // self.granule) * self.granule, **_MAP_FLAGS)
+
+    def release(self, m: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(m)
+            self._free_bytes += len(m)
+            while self._free_bytes > self.keep:
+                self._unmap(max(self._free, key=len))
+
+    def _unmap(self, m: mmap.mmap) -> None:  # (lock held)
+        self._free.remove(m)
+        self._free_bytes -= len(m)
+        with contextlib.suppress(BufferError):  # (a view still exported: the mapping goes with its last view)
+            m.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            while self._free:
+                self._unmap(self._free[-1])
+
+
 class _Block:
-    __slots__ = ("key", "lo", "hi", "future", "users")
+    __slots__ = ("key", "lo", "hi", "future", "users", "readers", "dropped")
 
     def __init__(self, key: str, lo: int, hi: int, future: concurrent.futures.Future, users: int):
         self.key, self.lo, self.hi, self.future, self.users = key, lo, hi, future, users
+        self.readers = 0  # decode threads reading it now (its buffer is not reused before they are done)
+        self.dropped = False
+
+
+class _Fetched:
+    """A block's bytes: a view of a pooled buffer (given back with :meth:`ReadAhead._recycle`) or a bytes object."""
+
+    __slots__ = ("view", "buffer")
+
+    def __init__(self, view: memoryview | bytes, buffer: mmap.mmap | None = None):
+        self.view, self.buffer = view, buffer
+
+
+class _BlockReader(BytesRangeReader):
+    """Reads of a block; closing it lets the block's buffer be reused once the block is dropped."""
+
+    def __init__(self, ahead: ReadAhead, block: _Block, data: memoryview | bytes):
+        super().__init__(data, block.lo)
+        self._ahead, self._block = ahead, block
+
+    def close(self) -> None:
+        if self._block is not None:
+            self._ahead._unread(self._block)
+            self._block = None
 
 
 def coalesce(ranges: Iterable[Range], gap: int, max_bytes: int) -> list[Range]:
@@ -111,6 +189,9 @@ class ReadAhead:
         self.counters = counters or ReadCounters()
         self._pool = concurrent.futures.ThreadPoolExecutor(settings.requests_in_flight,
                                                            thread_name_prefix="dflash-fetch")
+        # where the storage reads into a caller's buffer: buffers reused; at most half the budget kept free
+        self.buffers = BufferPool(max(settings.read_ahead_bytes // 2, 2 * settings.max_request_bytes),
+                                  max(1 << 20, settings.max_request_bytes // 8)) if getattr(storage, "reads_into", False) else None
         self._lock = threading.Lock()
         self._blocks: dict[str, list[_Block]] = collections.defaultdict(list)
         self._of_item: dict[int, list[_Block]] = {}  # the blocks each walked item uses (a user of each)
@@ -126,8 +207,8 @@ class ReadAhead:
 
     def wrap(self, work: Iterator[T]) -> Iterator[T]:
         """``work`` in the same order, fetched ahead. The first item is issued and handed out at once (its bytes
-        split over every stream); then the walk refills when less than a quarter of the budget is held, and
-        walks until the budget is reached (less the reserve). The items after the walk (up to ``read_ahead_bytes`` of their
+        split over every stream); then the walk goes on whenever less than the budget (less the reserve: a
+        request's worth, at most half the budget) is held, and walks until it is reached. The items after the walk (up to ``read_ahead_bytes`` of their
         ranges: the horizon) are planned too, so that a request for one item also covers the ranges that the
         next items need from the same object (see :meth:`_issue`)."""
         queue: collections.deque[T] = collections.deque()  # issued, not yet handed out
@@ -136,11 +217,13 @@ class ReadAhead:
         exhausted = False
         budget = self.settings.read_ahead_bytes
         # room kept for widening: the walk pauses before the budget is so full that requests would be narrow
-        reserve = min(self.settings.max_request_bytes, budget) // 2
+        # (refilling only at a quarter of the budget stalled the decode threads: a wide request streams for
+        # 0.3 s at 100 MB/s, longer than what a quarter of 1 GiB lasts them)
+        reserve = min(self.settings.max_request_bytes, budget // 2)
         first = self._cold = True  # the first item is issued (split over every stream) and handed out at once
         while True:
             held = self._held_bytes()
-            if not queue or held < budget // 4:
+            if not queue or held < budget - reserve:
                 walked = 0
                 while (held < budget - reserve or not walked and not queue) and not self._closed:
                     while not exhausted and spare_bytes < 2 * budget and not (first and spare):  # the horizon
@@ -216,7 +299,9 @@ class ReadAhead:
         for key, lo, hi in coalesce(missing, gap, cap):
             if any(b.key == key and b.lo <= lo and hi <= b.hi for b in new):
                 continue
-            room = max(budget - held, hi - lo)
+            # (an item spanning several objects widens each request to a reserve's worth even when the first
+            # used the room left: the budget may be passed by that much, not cut into narrow requests)
+            room = max(budget - held, min(cap, budget // 2), hi - lo)
             wide = [(k, a, z) for _, rs in ahead for k, a, z in rs if k == key]
             wide = [r for r in coalesce([(key, lo, hi), *wide], gap, min(cap, room)) if r[1] <= lo and hi <= r[2]]
             lo, hi = (wide[0][1], wide[0][2]) if wide else (lo, hi)
@@ -237,53 +322,108 @@ class ReadAhead:
             self.max_held = max(self.max_held, self._held)
             return self._held
 
-    def _fetch(self, key: str, lo: int, hi: int) -> bytes:
-        data = self.storage.get_range(key, lo, hi)
-        self.counters.add(requests=1, bytes_fetched=len(data))
-        return data
+    def _fetch(self, key: str, lo: int, hi: int) -> _Fetched:
+        if self.buffers is None:
+            data = self.storage.get_range(key, lo, hi)
+            self.counters.add(requests=1, bytes_fetched=len(data))
+            return _Fetched(data)
+        buf = self.buffers.acquire(hi - lo)
+        try:
+            view = memoryview(buf)[:hi - lo]
+            got = self.storage.read_into(key, lo, view)
+        except BaseException:
+            view.release()
+            self.buffers.release(buf)
+            raise
+        self.counters.add(requests=1, bytes_fetched=got)
+        return _Fetched(view[:got], buf)
 
     # -- serving and releasing -------------------------------------------------------------------
 
     def lookup(self, key: str, lo: int, hi: int) -> RangeReader | None:
         with self._lock:
             block = next((b for b in self._blocks.get(key, ()) if b.lo <= lo and hi <= b.hi), None)
-        if block is None:
-            return None
-        return BytesRangeReader(block.future.result(), block.lo)
+            if block is None:
+                return None
+            block.readers += 1
+        try:
+            return _BlockReader(self, block, block.future.result().view)
+        except BaseException:
+            self._unread(block)
+            raise
+
+    def _unread(self, block: _Block) -> None:
+        with self._lock:
+            block.readers -= 1
+            free = block.dropped and block.readers == 0
+        if free:
+            self._recycle(block)
+
+    def _recycle(self, block: _Block) -> None:
+        """A dropped block nobody reads: its buffer back to the pool once its fetch has ended."""
+        if self.buffers is None:
+            return
+
+        def back(future: concurrent.futures.Future) -> None:
+            if future.cancelled() or future.exception() is not None:
+                return  # (a failed fetch gave its buffer back itself)
+            fetched = future.result()
+            if fetched.buffer is not None:
+                view, fetched.view = fetched.view, b""
+                view.release()
+                self.buffers.release(fetched.buffer)
+
+        block.future.add_done_callback(back)
 
     def done(self, item: Any) -> None:
         """Every range ``item`` needed has been decoded: drop the blocks nobody else needs."""
+        free: list[_Block] = []
         with self._lock:
             for b in self._of_item.pop(id(item), []):
                 b.users -= 1
                 if b.users <= 0:
-                    self._drop(b)
+                    free += self._drop(b)
+        for b in free:
+            self._recycle(b)
 
-    def _drop(self, b: _Block) -> None:
+    def _drop(self, b: _Block) -> list[_Block]:
+        """(lock held) Returns the blocks to recycle (nobody reads them)."""
         blocks = self._blocks.get(b.key, [])
         if b in blocks:
             blocks.remove(b)
             self._held -= b.hi - b.lo
             if not blocks:
                 del self._blocks[b.key]
+            b.dropped = True
+            if b.readers == 0:
+                return [b]
+        return []
 
     def reset(self) -> None:
         """Drop every block (the work stream restarts elsewhere: a resume, a new epoch)."""
+        free: list[_Block] = []
         with self._lock:
             for blocks in self._blocks.values():
                 for b in blocks:
                     b.future.cancel()
+                    b.dropped = True
+                    if b.readers == 0:
+                        free.append(b)
             self._blocks.clear()
             self._of_item.clear()
             self._pending.clear()
             self._planned.clear()
             self._held = 0
             self._cold = True
+        for b in free:
+            self._recycle(b)
 
     def close(self) -> None:
         self._closed = True
         self.reset()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.buffers is not None:
+            self.buffers.clear()
 
 
 class ReadAheadStorage:

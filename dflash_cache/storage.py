@@ -19,6 +19,7 @@ from typing import Any
 
 import fsspec
 import fsspec.config
+from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CacheError
 from .runtime.switches import env_switch
@@ -60,6 +61,9 @@ class Storage:
     # arrays (sample_ids, offsets) by (key, crc32c from the commit record) and commit records by (key, 0)
     # (created once, never rewritten). None: nothing kept (local files are read again)
     small_arrays: dict[tuple[str, int], Any] | None = None
+    # read_into fills the caller's buffer without a new bytes object per read (read-ahead then reads into
+    # reused buffers); False where the client returns a new object per response anyway (s3fs, gcsfs ...)
+    reads_into: bool = False
 
     def get(self, key: str) -> bytes:
         raise NotImplementedError
@@ -73,7 +77,8 @@ class Storage:
         raise NotImplementedError
 
     def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        """Read ``len(buf)`` bytes of ``key`` from ``start`` into ``buf``; returns the count read."""
+        """Read ``len(buf)`` bytes of ``key`` from ``start`` into ``buf`` (one request); returns the count read,
+        fewer only at the end of the object."""
         data = self.get_range(key, start, start + len(buf))
         buf[:len(data)] = data
         return len(data)
@@ -200,8 +205,20 @@ class FileRangeReader(RangeReader):
             self.fd = -1
 
 
+def _fill(read: Any, buf: memoryview) -> int:
+    """``read(view)`` (a readinto) until ``buf`` is full or the object ends; returns the bytes read."""
+    got = 0
+    while got < len(buf):
+        n = read(buf[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 class LocalStorage(Storage):
     is_local = True
+    reads_into = True
 
     def __init__(self, url: str):
         self.url = url
@@ -226,7 +243,14 @@ class LocalStorage(Storage):
     def read_into(self, key: str, start: int, buf: memoryview) -> int:
         fd = os.open(self._p(key), os.O_RDONLY)
         try:
-            return os.preadv(fd, [buf], start)
+            at = [start]
+
+            def read(view: memoryview) -> int:
+                n = os.preadv(fd, [view], at[0])
+                at[0] += n
+                return n
+
+            return _fill(read, buf)
         finally:
             os.close(fd)
 
@@ -431,6 +455,8 @@ class FsspecStorage(Storage):
             raise CacheError(f"{url}: {err}; use a local path or an fsspec URL (s3://, gs://, memory:// ...)") from None
         self.root = self.root.rstrip("/")
         self.small_arrays = {}
+        # files of a local-backed filesystem read into the caller's buffer (mounted filesystems, latency://)
+        self.reads_into = isinstance(self.fs, LocalFileSystem)
 
     def preflight(self) -> None:
         """Object stores: the bucket exists and the endpoint answers (one line each, exit 2)."""
@@ -475,6 +501,13 @@ class FsspecStorage(Storage):
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.fs.cat_file(self._p(key), start=start, end=end)
+
+    def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        if not self.reads_into:
+            return super().read_into(key, start, buf)
+        with self.fs.open(self._p(key), "rb") as f:
+            f.seek(start)
+            return _fill(f.readinto, buf)
 
     def get_suffix(self, key: str, n: int) -> bytes:
         """One suffix request (``Range: bytes=-n`` on HTTP stores; a seek from the end elsewhere), not a

@@ -71,6 +71,11 @@ MUTANTS = [
                                        "        if False:\n"),),
            ("tests/test_cache_safety.py::test_verify_catches_a_shard_of_another_part_whose_index_is_the_same"
             "[chunk_tables]",)),
+    Mutant("read-ahead-reuses-a-buffer-being-read", "read-ahead never hands a fetch buffer to another request "
+           "while a decode thread still reads it", "dflash_cache/readahead.py",
+           (("            b.dropped = True\n            if b.readers == 0:\n",
+             "            b.dropped = True\n            if True:\n"),),
+           ("tests/test_readahead.py::test_fetch_buffers_are_reused_and_not_while_a_decode_thread_reads_them",)),
     Mutant("commit-without-fsync", "commits are durable: the tree is fsynced before the commit record",
            "dflash_cache/writer.py", (("        st.sync_tree(self.data_key)\n", ""),),
            ("tests/test_cache_safety.py::test_commit_makes_the_tree_durable_then_creates_the_record_exclusively",)),

@@ -265,3 +265,81 @@ def test_a_remote_epoch_reads_each_parts_metadata_once(cache_path: str) -> None:
     assert kinds["commit record"] == n_parts, (kinds, n_parts)
     assert kinds["small array"] == 2 * n_parts, (kinds, n_parts)  # input_ids, loss_mask
     assert kinds["feature range"] == loader.read_counters.requests  # (no shard index read)
+
+
+class _FileRanges(_MemoryRanges):
+    """A storage that reads into the caller's buffer (as LocalStorage does): byte i of object "s" is i % 251."""
+
+    reads_into = True
+
+    def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        with self._lock:
+            self.calls.append((key, start, start + len(buf)))
+        buf[:] = (np.arange(start, start + len(buf)) % 251).astype(np.uint8).tobytes()
+        return len(buf)
+
+
+def _read(ahead: ReadAhead, lo: int, hi: int) -> bytes:
+    out = bytearray(hi - lo)
+    with ahead.view.open_range("s", lo, hi) as f:
+        assert f.read_into(lo, [memoryview(out)]) == hi - lo
+    return bytes(out)
+
+
+def test_fetch_buffers_are_reused_and_not_while_a_decode_thread_reads_them() -> None:
+    """Stores that read into a caller's buffer get pooled buffers back from dropped blocks (a fresh buffer
+    costs a page fault per page when first written); a dropped block's buffer is not reused while a decode
+    thread still reads it."""
+    mib = 1 << 20
+    items = list(range(40))  # each item: 1 MiB of object "s"
+
+    def ranges_of(i: int) -> list[tuple[str, int, int]]:
+        return [("s", i * mib, (i + 1) * mib)]
+
+    store = _FileRanges()
+    ahead = ReadAhead(store, ReadAheadSettings(read_ahead_bytes=8 * mib, requests_in_flight=2,
+                                               coalesce_gap_bytes=0, max_request_bytes=2 * mib), ranges_of)
+    assert ahead.buffers is not None
+    try:
+        stream = ahead.wrap(iter(items))
+        first = next(stream)
+        held = ahead.view.open_range("s", 0, mib)  # a decode thread reading item 0's block
+        ahead.done(first)  # item 0 assembled: its block dropped ...
+        assert not ahead.buffers._free  # ... but its buffer not handed to another request while it is read
+        probe = bytearray(16)
+        assert held.read_into(mib - 16, [memoryview(probe)]) == 16
+        assert bytes(probe) == bytes((np.arange(mib - 16, mib) % 251).astype(np.uint8))
+        held.close()
+        for i in stream:
+            lo = i * mib
+            assert _read(ahead, lo, lo + mib) == bytes((np.arange(lo, lo + mib) % 251).astype(np.uint8))
+            ahead.done(i)
+        requests = len(store.calls)
+        # 40 MiB through an 8 MiB budget: every later request reads into a buffer of an earlier one
+        assert requests >= 20 and ahead.buffers.mapped <= 8 + 2, (requests, ahead.buffers.mapped)
+    finally:
+        ahead.close()
+
+
+def test_local_read_into_fills_the_buffer_and_stops_at_the_end_of_the_file(tmp_path) -> None:
+    from dflash_cache.storage import LocalStorage
+
+    (tmp_path / "obj").write_bytes(bytes(range(200)))
+    st = LocalStorage(str(tmp_path))
+    buf = bytearray(64)
+    assert st.read_into("obj", 100, memoryview(buf)) == 64 and bytes(buf) == bytes(range(100, 164))
+    assert st.read_into("obj", 180, memoryview(buf)) == 20 and bytes(buf[:20]) == bytes(range(180, 200))
+
+
+def test_a_latency_store_counts_each_read_into_as_one_request(cache_path: str) -> None:
+    from dflash_cache.storage import make_storage
+
+    latency_fs.configure(0, 0)
+    latency_fs.reset_counters()
+    st = make_storage(f"latency://{cache_path}")
+    assert st.reads_into
+    buf = bytearray(10)
+    assert st.read_into("zarr.json", 0, memoryview(buf)) == 10
+    assert st.get_range("zarr.json", 0, 10) == bytes(buf)
+    c = latency_fs.counters()
+    assert c["requests"] == 2 and c["bytes_read"] == 20, c
