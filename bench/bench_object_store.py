@@ -19,7 +19,8 @@ Stores compared (every one reads the same cache, ``--epochs`` epochs per round, 
 Reported per store: tokens/s (median [min-max] over rounds) and its ratio to local, feature range
 requests per sample, read amplification (feature bytes fetched / stored feature bytes of the samples
 read; > 1 when coalescing reads gaps, < 1 when a read-ahead block serves two epochs) and client CPU
-seconds per GB of stored features read vs local. The page cache is warm (one untimed pass first).
+seconds per GB of stored features read vs local, and the time from open to the first batch. The page cache
+is warm (one untimed pass first).
 Writes bench/results/bench_object_store.json.
 """
 
@@ -96,9 +97,12 @@ def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality:
     with RequestCount() as count:
         t0, c0 = time.perf_counter(), _cpu()
         cache = open_cache(url)  # the loader's own, so that its requests are counted from the start
+        first = None
         with StreamingLoader(cache, cfg, **BLOCKS, seed=0, max_epochs=epochs) as loader:
             while loader.epoch < epochs:
                 for b in loader:
+                    if first is None:
+                        first = time.perf_counter() - t0
                     tokens += b.n_tokens
                     samples += len(b.sample_ids)
             wall, cpu = time.perf_counter() - t0, _cpu() - c0
@@ -108,7 +112,7 @@ def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality:
     per_token = [stored[index.parts[int(p)].key] for p in index.part]
     used = epochs * float(sum(per_token[i] * int(index.lengths[i]) for i in range(len(per_token))))
     requests = rc["requests"] if read_ahead != "off" else None
-    return {"tokens_per_s": tokens / wall, "samples": samples, "tokens": tokens,
+    return {"tokens_per_s": tokens / wall, "samples": samples, "tokens": tokens, "first_batch_s": first,
             "requests_per_sample": None if requests is None else requests / samples,
             "all_requests_per_sample": None if requests is None else sum(by_kind.values()) / samples,
             "requests_by_kind": by_kind,
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     local_cpu = statistics.median(r["cpu_s_per_gb"] for r in runs["local"])
     table = {}
     print(f"{'store':14s} {'tokens/s median [range]':>30s} {'vs local':>9s} {'feature req/sample':>22s} "
-          f"{'all req/sample':>20s} {'read amp':>9s} {'CPU vs local':>12s}")
+          f"{'all req/sample':>20s} {'read amp':>9s} {'CPU vs local':>12s} {'first batch s':>20s}")
 
     def spread(rs: list[dict], key: str, fmt: str) -> str:
         vals = [r[key] for r in rs if r[key] is not None]
@@ -232,11 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                "requests_per_sample": rs[-1]["requests_per_sample"],
                "all_requests_per_sample": rs[-1]["all_requests_per_sample"],
                "requests_by_kind": rs[-1]["requests_by_kind"], "read_amplification": rs[-1]["read_amplification"],
-               "cpu_per_byte_vs_local": statistics.median(r["cpu_s_per_gb"] for r in rs) / local_cpu, "rounds": rs}
+               "cpu_per_byte_vs_local": statistics.median(r["cpu_s_per_gb"] for r in rs) / local_cpu,
+               "first_batch_s_median": statistics.median(r["first_batch_s"] for r in rs), "rounds": rs}
         table[name] = row
         print(f"{name:14s} {med:12.0f} [{min(tps):.0f}-{max(tps):.0f}] {row['vs_local']:9.2f} "
               f"{spread(rs, 'requests_per_sample', '.3f'):>22s} {spread(rs, 'all_requests_per_sample', '.3f'):>20s} "
-              f"{spread(rs, 'read_amplification', '.2f'):>9s} {row['cpu_per_byte_vs_local']:12.2f}")
+              f"{spread(rs, 'read_amplification', '.2f'):>9s} {row['cpu_per_byte_vs_local']:12.2f} "
+              f"{spread(rs, 'first_batch_s', '.2f'):>20s}")
         if row["requests_by_kind"] and read_ahead_of(name) != "off":
             print(f"{'':14s} requests by kind (last round): {row['requests_by_kind']}")
     print(f"load average {load_start:.1f} at the start, {load:.1f} at the end; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "
