@@ -289,8 +289,11 @@ class ReadAhead:
                     mine.append(b)
             held = self._held
         ahead: list[tuple[Any, list[Range]]] = []
+        held_blocks: dict[str, list[_Block]] = {}
         if missing:
             keys = {k for k, _, _ in missing}
+            with self._lock:
+                held_blocks = {k: list(self._blocks.get(k, ())) for k in keys}
             for other in horizon:
                 rs = [r for r in self._planned.get(id(other), ()) if r[0] in keys]
                 if rs:
@@ -302,7 +305,11 @@ class ReadAhead:
             # (an item spanning several objects widens each request to a reserve's worth even when the first
             # used the room left: the budget may be passed by that much, not cut into narrow requests)
             room = max(budget - held, min(cap, budget // 2), hi - lo)
-            wide = [(k, a, z) for _, rs in ahead for k, a, z in rs if k == key]
+            # the next items' ranges that no block holds or fetches yet (so that two requests of one item, or
+            # of consecutive items, are not widened over the same bytes: they would be fetched twice)
+            have = [(b.lo, b.hi) for b in (*held_blocks.get(key, ()), *new) if b.key == key]
+            wide = [(k, a, z) for _, rs in ahead for k, a, z in rs
+                    if k == key and not any(x <= a and z <= y for x, y in have)]
             wide = [r for r in coalesce([(key, lo, hi), *wide], gap, min(cap, room)) if r[1] <= lo and hi <= r[2]]
             lo, hi = (wide[0][1], wide[0][2]) if wide else (lo, hi)
             block = _Block(key, lo, hi, self._pool.submit(self._fetch, key, lo, hi), 1)

@@ -213,7 +213,8 @@ class LoaderConfig(Section):
     requests with many in flight (docs/performance.md); `auto`: on for object stores and other fsspec URLs,
     off for local paths (read in place)."""
     read_ahead_bytes: int = Field(1 << 30, gt=0)
-    """Compressed bytes fetched (or in flight) ahead of the decode threads, at most (host memory). A request
+    """Compressed bytes fetched (or in flight) ahead of the decode threads, at most (host memory; where the
+    store reads into a caller's buffer, up to half as much again of spare buffers is kept for reuse). A request
     streams at one connection's rate (~100 MB/s on S3), so keep it at least `requests_in_flight` x
     `max_request_bytes` (docs/performance.md: these defaults against 256 MiB, 16 and 64 MiB)."""
     requests_in_flight: int = Field(32, gt=0)
