@@ -83,46 +83,48 @@ class ReadCounters:
 
 class BufferPool:
     """Fetch buffers, reused: a block's buffer goes back here when the block is dropped, and the next request
-    that fits reads into it. A fresh buffer costs a page fault per 4 KiB page when it is first written (in a
-    VM, a trap to the host): 17-29 ms per 32 MiB on the machine of docs/performance.md, against 2 ms to read
-    into a reused one. Sizes are rounded up to ``granule`` bytes; a free buffer serves a request of more
-    than half its size. Free buffers beyond ``keep`` bytes are unmapped, largest first."""
+    of its size class reads into it. A fresh buffer costs a page fault per 4 KiB page when it is first written
+    (in a VM, a trap to the host): 17-29 ms per 32 MiB on the machine of docs/performance.md, against 2 ms to
+    read into a reused one. Size classes are powers of two from ``smallest`` (a buffer holds at most twice its
+    request); free buffers beyond ``keep`` bytes are unmapped, largest first."""
 
-    def __init__(self, keep: int, granule: int):
-        self.keep, self.granule = keep, max(granule, mmap.PAGESIZE)
-        self._free: list[mmap.mmap] = []
+    def __init__(self, keep: int, smallest: int = 1 << 20):
+        self.keep, self.smallest = keep, max(smallest, mmap.PAGESIZE)
+        self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
         self._free_bytes = 0
         self._lock = threading.Lock()
         self.mapped = 0  # buffers mapped so far (a reused one counted once)
 
+    def size_class(self, n: int) -> int:
+        return max(self.smallest, 1 << (max(n, 1) - 1).bit_length())
+
     def acquire(self, n: int) -> mmap.mmap:
+        size = self.size_class(n)
         with self._lock:
-            fits = [m for m in self._free if n <= len(m) < 2 * max(n, self.granule)]
-            if fits:
-                m = min(fits, key=len)
-                self._free.remove(m)
-                self._free_bytes -= len(m)
-                return m
+            if self._free[size]:
+                self._free_bytes -= size
+                return self._free[size].pop()
             self.mapped += 1
-        return mmap.mmap(-1, -(-max(n, 1) // self.granule) * self.granule, **_MAP_FLAGS)
+        return mmap.mmap(-1, size, **_MAP_FLAGS)
 
     def release(self, m: mmap.mmap) -> None:
         with self._lock:
-            self._free.append(m)
+            self._free[len(m)].append(m)
             self._free_bytes += len(m)
             while self._free_bytes > self.keep:
-                self._unmap(max(self._free, key=len))
+                size = max(k for k, v in self._free.items() if v)
+                self._unmap(self._free[size].pop())
 
-    def _unmap(self, m: mmap.mmap) -> None:  # (lock held)
-        self._free.remove(m)
+    def _unmap(self, m: mmap.mmap) -> None:  # (lock held; m taken off its list)
         self._free_bytes -= len(m)
         with contextlib.suppress(BufferError):  # (a view still exported: the mapping goes with its last view)
             m.close()
 
     def clear(self) -> None:
         with self._lock:
-            while self._free:
-                self._unmap(self._free[-1])
+            for ms in self._free.values():
+                while ms:
+                    self._unmap(ms.pop())
 
 
 class _Block:
@@ -189,9 +191,9 @@ class ReadAhead:
         self.counters = counters or ReadCounters()
         self._pool = concurrent.futures.ThreadPoolExecutor(settings.requests_in_flight,
                                                            thread_name_prefix="dflash-fetch")
-        # where the storage reads into a caller's buffer: buffers reused; at most half the budget kept free
-        self.buffers = BufferPool(max(settings.read_ahead_bytes // 2, 2 * settings.max_request_bytes),
-                                  max(1 << 20, settings.max_request_bytes // 8)) if getattr(storage, "reads_into", False) else None
+        # where the storage reads into a caller's buffer: buffers reused (up to the budget's worth kept free, so
+        # that a new epoch or a resume, which drops every block, finds them again)
+        self.buffers = BufferPool(settings.read_ahead_bytes) if getattr(storage, "reads_into", False) else None
         self._lock = threading.Lock()
         self._blocks: dict[str, list[_Block]] = collections.defaultdict(list)
         self._of_item: dict[int, list[_Block]] = {}  # the blocks each walked item uses (a user of each)
