@@ -214,7 +214,7 @@ class LoaderConfig(Section):
     off for local paths (read in place)."""
     read_ahead_bytes: int = Field(1 << 30, gt=0)
     """Compressed bytes fetched (or in flight) ahead of the decode threads, at most (host memory; where the
-    store reads into a caller's buffer, up to half as much again of spare buffers is kept for reuse). A request
+    store reads into a caller's buffer, buffers are kept for reuse: docs/cache.md). A request
     streams at one connection's rate (~100 MB/s on S3), so keep it at least `requests_in_flight` x
     `max_request_bytes` (docs/performance.md: these defaults against 256 MiB, 16 and 64 MiB)."""
     requests_in_flight: int = Field(32, gt=0)
