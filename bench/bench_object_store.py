@@ -19,7 +19,9 @@ Stores compared (every one reads the same cache, ``--epochs`` epochs per round, 
 Reported per store: tokens/s (median [min-max] over rounds) and its ratio to local, feature range
 requests per sample, read amplification (feature bytes fetched / stored feature bytes of the samples
 read; > 1 when coalescing reads gaps, < 1 when a read-ahead block serves two epochs) and client CPU
-seconds per GB of stored features read vs local, and the time from open to the first batch. The page cache
+seconds per GB of stored features read vs local, and the time from open to the first batch. With
+``--epochs`` of 2 or more, also tokens/s over the epochs after the first (the loader open and its read-ahead
+full, as through most of a long run; every store measured alike). The page cache
 is warm (one untimed pass first).
 Writes bench/results/bench_object_store.json.
 """
@@ -98,6 +100,7 @@ def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality:
         t0, c0 = time.perf_counter(), _cpu()
         cache = open_cache(url)  # the loader's own, so that its requests are counted from the start
         first = None
+        after_first: tuple[float, int] | None = None  # (time, tokens) when the first epoch ended
         with StreamingLoader(cache, cfg, **BLOCKS, seed=0, max_epochs=epochs) as loader:
             while loader.epoch < epochs:
                 for b in loader:
@@ -105,19 +108,38 @@ def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality:
                         first = time.perf_counter() - t0
                     tokens += b.n_tokens
                     samples += len(b.sample_ids)
-            wall, cpu = time.perf_counter() - t0, _cpu() - c0
+                if after_first is None:
+                    after_first = (time.perf_counter(), tokens)
+            t_end = time.perf_counter()
+            wall, cpu = t_end - t0, _cpu() - c0
             rc = loader.read_counters.as_dict()
             by_kind = dict(count.by_kind)
     index = cache.index()
     per_token = [stored[index.parts[int(p)].key] for p in index.part]
     used = epochs * float(sum(per_token[i] * int(index.lengths[i]) for i in range(len(per_token))))
     requests = rc["requests"] if read_ahead != "off" else None
-    return {"tokens_per_s": tokens / wall, "samples": samples, "tokens": tokens, "first_batch_s": first,
+    # the loader already open and its read-ahead full, as through most of a long run (epochs after the first)
+    later = (None if epochs < 2 or after_first is None
+             else (tokens - after_first[1]) / (t_end - after_first[0]))
+    return {"tokens_per_s": tokens / wall, "later_epochs_tokens_per_s": later, "samples": samples,
+            "tokens": tokens, "first_batch_s": first,
             "requests_per_sample": None if requests is None else requests / samples,
             "all_requests_per_sample": None if requests is None else sum(by_kind.values()) / samples,
             "requests_by_kind": by_kind,
             "read_amplification": None if requests is None else rc["bytes_fetched"] / used,
             "cpu_s_per_gb": cpu / (used / 1e9)}
+
+
+def _later_epochs(rs: list[dict], local: list[dict]) -> dict[str, object]:
+    """tokens/s over the epochs after the first (the loader open, its read-ahead full), median and range, and
+    the median's ratio to local's; nothing with one epoch per round."""
+    vals = [r["later_epochs_tokens_per_s"] for r in rs]
+    ref = [r["later_epochs_tokens_per_s"] for r in local]
+    if None in vals or None in ref:
+        return {}
+    med = statistics.median(vals)
+    return {"later_epochs_tokens_per_s_median": med, "later_epochs_tokens_per_s_range": [min(vals), max(vals)],
+            "later_epochs_vs_local": med / statistics.median(ref)}
 
 
 def _free_port() -> int:
@@ -233,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         tps = [r["tokens_per_s"] for r in rs]
         med = statistics.median(tps)
         row = {"tokens_per_s_median": med, "tokens_per_s_range": [min(tps), max(tps)], "vs_local": med / local_tps,
+               **_later_epochs(rs, runs["local"]),
                "requests_per_sample": rs[-1]["requests_per_sample"],
                "all_requests_per_sample": rs[-1]["all_requests_per_sample"],
                "requests_by_kind": rs[-1]["requests_by_kind"], "read_amplification": rs[-1]["read_amplification"],
@@ -243,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{spread(rs, 'requests_per_sample', '.3f'):>22s} {spread(rs, 'all_requests_per_sample', '.3f'):>20s} "
               f"{spread(rs, 'read_amplification', '.2f'):>9s} {row['cpu_per_byte_vs_local']:12.2f} "
               f"{spread(rs, 'first_batch_s', '.2f'):>20s}")
+        if row.get("later_epochs_vs_local") is not None:
+            lt = [r["later_epochs_tokens_per_s"] for r in rs]
+            print(f"{'':14s} epochs after the first: {statistics.median(lt):.0f} [{min(lt):.0f}-{max(lt):.0f}] "
+                  f"tokens/s, {row['later_epochs_vs_local']:.2f}x local")
         if row["requests_by_kind"] and read_ahead_of(name) != "off":
             print(f"{'':14s} requests by kind (last round): {row['requests_by_kind']}")
     print(f"load average {load_start:.1f} at the start, {load:.1f} at the end; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "

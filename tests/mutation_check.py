@@ -99,6 +99,9 @@ MUTANTS = [
     Mutant("estimate-drops-rope", "estimate: RoPE's cos/sin tables are counted",
            "train/tools/estimate.py", (("rope=rope,", "rope=0,"),),
            ("tests/test_estimate_terms.py",)),
+    Mutant("rank-watch-exit-under-store-call", "a finished rank exits cleanly: its alive thread has left the store",
+           "train/components/multinode.py", (("        thread.join(timeout=2 * self.interval_s + 5)\n", ""),),
+           ("tests/test_multinode.py::test_a_rank_exiting_while_its_alive_thread_is_in_a_store_call_exits_cleanly",)),
 ]
 
 

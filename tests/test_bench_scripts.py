@@ -97,15 +97,16 @@ def test_bench_decode_rates_measures_every_codec(monkeypatch, tmp_path):
 def test_bench_object_store_runs_every_store_and_reports_requests(monkeypatch, tmp_path):
     out = tmp_path / "object_store.json"
     _run(monkeypatch, "bench_object_store", "--samples", "24", "--hidden", "32", "--median-length", "64",
-         "--samples-per-part", "12", "--rounds", "1", "--locality-parts", "1", "--workdir", str(tmp_path / "w"),
-         "--out", str(out))  # (with the loopback S3 server where moto is installed)
+         "--samples-per-part", "12", "--rounds", "1", "--locality-parts", "1", "--epochs", "2",
+         "--workdir", str(tmp_path / "w"), "--out", str(out))  # (with the loopback S3 server where moto is installed)
     res = json.loads(out.read_text())
     stores = res["stores"]
     assert {"local", "latency-0ms", "latency-20ms"} <= set(stores)
     assert stores["local"]["vs_local"] == 1.0 and stores["local"]["requests_per_sample"] is None
     for name in set(stores) - {"local"}:
         assert stores[name]["tokens_per_s_median"] > 0 and 0 < stores[name]["requests_per_sample"] < 1
-        assert stores[name]["rounds"][0]["samples"] == 24  # every sample, from every store
+        assert stores[name]["rounds"][0]["samples"] == 2 * 24  # every sample of both epochs, from every store
+        assert stores[name]["later_epochs_tokens_per_s_median"] > 0 and stores[name]["later_epochs_vs_local"] > 0
         kinds = stores[name]["requests_by_kind"]  # every request the loader's cache made, by kind
         assert kinds["feature range"] >= 1 and kinds["commit record"] >= 1 and kinds["small array"] >= 1, kinds
         assert stores[name]["all_requests_per_sample"] > stores[name]["requests_per_sample"]

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,3 +96,51 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(cache, tmp_path):
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: rank 0: a collective waited 15 s (train.collective_timeout_s) for rank 1 on "), last
+
+
+
+# A rank's process ends right after RankWatch.close() while its thread is inside a store call (a C++ call that
+# releases the GIL; here a 2 s store wait). If that call returns while the interpreter is finalizing, the thread
+# is torn down inside C++ and the process aborts (SIGABRT) after a clean run. ``Late.__del__`` runs during
+# finalization and keeps it going until the wait has returned (its set waits for the store's one connection).
+_EXIT_DURING_STORE_CALL = r"""
+import sys, threading, time
+from datetime import timedelta
+from types import SimpleNamespace
+import torch.distributed as dist
+from train.components.multinode import RankWatch
+
+port = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30))
+inside = threading.Event()
+
+class SlowStore:
+    calls = 0
+    def set(self, key, value):
+        SlowStore.calls += 1
+        if SlowStore.calls == 2:  # the thread's first note (the first one is __init__'s, on this thread)
+            inside.set()
+            try:
+                store.wait(["go"], timedelta(seconds=2))
+            except Exception:
+                pass
+        store.set(key, value)
+
+class Late:
+    def __del__(self, store=store, sleep=time.sleep):
+        store.set("go", "1")
+        sleep(0.5)
+
+watch = RankWatch(SimpleNamespace(enabled=True, store=SlowStore(), rank=0, world_size=1), timeout_s=3.0)
+assert inside.wait(30), "the rank-alive thread never called the store"
+watch.close()
+late = Late()
+print("closed", flush=True)
+"""
+
+
+def test_a_rank_exiting_while_its_alive_thread_is_in_a_store_call_exits_cleanly():
+    proc = subprocess.run([sys.executable, "-c", _EXIT_DURING_STORE_CALL, str(_port())], cwd=ROOT,
+                          env=train_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "closed" in proc.stdout

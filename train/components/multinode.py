@@ -61,15 +61,27 @@ class RankWatch:
         self.interval_s = max(0.5, min(10.0, timeout_s / 6))
         self.step = 0
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         if d.enabled and d.store is not None:
             self._note()
-            threading.Thread(target=self._run, name="dflash-rank-alive", daemon=True).start()
+            self._thread = threading.Thread(target=self._run, name="dflash-rank-alive", daemon=True)
+            self._thread.start()
 
     def beat(self, step: int) -> None:
         self.step = step
 
     def close(self) -> None:
+        """Stop noting, and wait until the thread has left the store: a daemon thread still inside a store call
+        when the interpreter exits aborts the process ("terminate called without an active exception", SIGABRT)
+        after the run has finished cleanly."""
         self._stop.set()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout=2 * self.interval_s + 5)
+        if thread.is_alive():  # the store call hangs: its host is gone; the exit may abort, the run is saved
+            log.warning("the rank-alive thread is still in a rendezvous-store call after %.0f s; exiting anyway",
+                        2 * self.interval_s + 5)
 
     def _note(self) -> None:
         try:
