@@ -3,9 +3,11 @@
     python bench/bench_object_store.py [--samples 400] [--hidden 512] [--rounds 3] [--epochs 1] [--no-s3]
         [--read-ahead-mib 1024 --in-flight 32 --max-request-mib 32] [--other-settings 256,16,64]
 
-    # the figures of docs/performance.md (object storage):
+    # the figures of docs/performance.md (object storage): four epochs per round (the headline), then one
     python bench/bench_object_store.py --samples 2048 --bucket-edges "" --locality-parts 1 \
-        --locality-run-samples 128 --other-settings 256,16,64
+        --locality-run-samples 128 --epochs 4 --no-s3
+    python bench/bench_object_store.py --samples 2048 --bucket-edges "" --locality-parts 1 \
+        --locality-run-samples 128
 
 Stores compared (every one reads the same cache, ``--epochs`` epochs per round, rounds interleaved):
 - ``local``: the cache on local disk, read in place (loader.read_ahead = off: the default there);
