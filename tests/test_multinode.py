@@ -104,14 +104,13 @@ def test_a_hung_rank_is_named_within_the_collective_timeout(cache, tmp_path):
 # is torn down inside C++ and the process aborts (SIGABRT) after a clean run. ``Late.__del__`` runs during
 # finalization and keeps it going until the wait has returned (its set waits for the store's one connection).
 _EXIT_DURING_STORE_CALL = r"""
-import sys, threading, time
+import threading, time
 from datetime import timedelta
 from types import SimpleNamespace
 import torch.distributed as dist
 from train.components.multinode import RankWatch
 
-port = int(sys.argv[1])
-store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30))
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))  # (port 0: a free one)
 inside = threading.Event()
 
 class SlowStore:
@@ -140,7 +139,7 @@ print("closed", flush=True)
 
 
 def test_a_rank_exiting_while_its_alive_thread_is_in_a_store_call_exits_cleanly():
-    proc = subprocess.run([sys.executable, "-c", _EXIT_DURING_STORE_CALL, str(_port())], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", _EXIT_DURING_STORE_CALL], cwd=ROOT,
                           env=train_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "closed" in proc.stdout
