@@ -100,7 +100,7 @@ class RankWatch:
         if not self.d.enabled or not any(s in text for s in ("timed out", "timeout", "connection closed",
                                                              "connection reset")):
             return None
-        self.close()
+        self._stop.set()  # (no join here: the error is named first; train() closes the watch on its way out)
         seen = {}
         try:
             for r in range(self.d.world_size):
