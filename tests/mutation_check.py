@@ -102,6 +102,12 @@ MUTANTS = [
     Mutant("rank-watch-exit-under-store-call", "a finished rank exits cleanly: its alive thread has left the store",
            "train/components/multinode.py", (("        thread.join(timeout=2 * self.interval_s + 5)\n", ""),),
            ("tests/test_multinode.py::test_a_rank_exiting_while_its_alive_thread_is_in_a_store_call_exits_cleanly",)),
+    Mutant("trainer-close-stops-at-first-error", "a failed run closes every component (no reader thread left "
+           "running at exit) even when closing one of them fails", "train/loop/loop.py",
+           (("        except BaseException as err:\n            if raise_first and first is None:\n",
+             "        except BaseException as err:\n            raise\n            if raise_first and first is None:\n"),),
+           ("tests/test_reliability_sweep.py::"
+            "test_a_failed_checkpoint_write_then_a_failed_metrics_write_leave_no_thread_running",)),
 ]
 
 

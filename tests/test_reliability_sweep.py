@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.trainer import ROOT, run_train, small_cache, train_argv, train_env
+from fixtures.trainer import CONFIG, ROOT, run_train, small_cache, train_argv, train_env
 
 from dflash_cache import create_cache, open_cache, verify_cache
 from dflash_cache import store as store_mod
@@ -109,14 +109,16 @@ def test_a_commit_record_of_another_cache_fingerprint_is_refused_by_reader_and_v
     _one_line_error(run_train(BASE + ["loader.holdout_fraction=0.0"], str(url), tmp_path / "run", expect=2))
 
 
-@pytest.mark.parametrize("size", ["60k", "450k"])
-def test_a_real_full_disk_at_a_checkpoint_with_tensorboard_on_is_one_line(tmp_path, size):
-    """The run dir on a small tmpfs (private mount namespace), TensorBoard writing beside the checkpoints."""
+@pytest.mark.parametrize(("size", "steps", "every"), [("60k", 6, 2), ("450k", 6, 2), ("600k", 30, 10)])
+def test_a_real_full_disk_at_a_checkpoint_with_tensorboard_on_is_one_line(tmp_path, size, steps, every):
+    """The run dir on a small tmpfs (private mount namespace), TensorBoard writing beside the checkpoints. At
+    600k with a save every 10 steps the checkpoint's background write fills the disk and the next steps' metrics
+    writes (JSONL and TensorBoard) fail before the next save reports it."""
     url = _cache(tmp_path)
     small = tmp_path / "small"
     small.mkdir()
     argv = train_argv(BASE + ["loader.holdout_fraction=0.0", "metrics.tensorboard=true"], str(url), small / "run",
-                      "train.max_steps=6", "checkpoint.every_steps=2")
+                      f"train.max_steps={steps}", f"checkpoint.every_steps={every}")
     cmd = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size="$0" tmpfs "$1" && shift && exec "$@"', size,
            str(small), sys.executable, "-m", "train.cli", *argv]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=train_env())
@@ -124,3 +126,39 @@ def test_a_real_full_disk_at_a_checkpoint_with_tensorboard_on_is_one_line(tmp_pa
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "No space left on device" in last and str(small / "run") in last
+
+
+def test_a_failed_checkpoint_write_then_a_failed_metrics_write_leave_no_thread_running(tmp_path, monkeypatch):
+    """The background checkpoint write fails (disk full), then the next step's metrics write fails before a save
+    reports it: the trainer still closes everything (checkpoint writer, readers) before the error leaves it. A
+    reader thread left inside a C++ call when the interpreter exits aborts the process after the one-line
+    error (``terminate called without an active exception``, SIGABRT)."""
+    import errno
+    import threading
+
+    import train.components.checkpoint as ckpt_mod
+    from dflash_cache.errors import DFlashError
+    from dflash_cache.runtime.config import load_config
+    from train.components.metrics import MetricLogger
+    from train.components.rundir import write_error
+    from train.loop.loop import train
+
+    url = _cache(tmp_path)
+    cfg = load_config(CONFIG, BASE + ["loader.holdout_fraction=0.0", "train.max_steps=6", "checkpoint.every_steps=2"])
+
+    def full_disk(root, snap):
+        raise OSError(errno.ENOSPC, "No space left on device", str(root))
+
+    real_log = MetricLogger.log
+
+    def log(self, step, values, kind="train"):
+        if step == 3:
+            raise write_error(self._path, OSError(errno.ENOSPC, "No space left on device"))
+        return real_log(self, step, values, kind)
+
+    monkeypatch.setattr(ckpt_mod, "write_checkpoint", full_disk)
+    monkeypatch.setattr(MetricLogger, "log", log)
+    before = set(threading.enumerate())
+    with pytest.raises(DFlashError, match="No space left on device"):
+        train(cfg, str(url), tmp_path / "run")
+    assert [t.name for t in threading.enumerate() if t not in before and t.is_alive()] == []

@@ -16,7 +16,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -161,6 +161,7 @@ def _train(cfg: PipelineConfig, cache: ReadableCache, run: RunDir, d: Distribute
         # blocking = waiting for the previous write (if still running) + the host snapshot
         return {"ckpt/blocking_ms": stats.blocking_ms, "ckpt/wait_ms": stats.wait_ms}
 
+    finished = False
     try:
         while step < total_steps:
             t_data = time.perf_counter()
@@ -197,19 +198,34 @@ def _train(cfg: PipelineConfig, cache: ReadableCache, run: RunDir, d: Distribute
             metrics.log(step, save(step), kind="save")
         ckpt.wait()
         _log_commits(metrics, ckpt, step)  # the last save's commit too
+        finished = True
     finally:
-        signals.restore()
-        if progress is not None:
-            progress.close()
-        metrics.close()
-        ckpt.close()
-        loader.close()
+        # every one closes, even after another's error: a checkpoint writer or reader thread left running
+        # inside a C++ call when the interpreter exits aborts the process (SIGABRT) after the one-line error
+        _close_all([signals.restore, *([progress.close] if progress is not None else []), metrics.close,
+                    ckpt.close, loader.close], raise_first=finished)
     if stopped_by != "done":
         raise TrainingInterrupted(
             f"stopped by {stopped_by} after step {step}; checkpoint saved in {run.path / 'checkpoints'}. "
             "Rerun the same command to resume.", stop_signal or signal.SIGTERM,
         )
     return TrainResult(step, total_steps, guard.total_skips, find_latest(run.path) if d.is_main else None, "done")
+
+
+def _close_all(closers: Sequence[Callable[[], object]], raise_first: bool) -> None:
+    """Call each closer; raise the first error after all ran (``raise_first``), else only log them: the
+    error already on its way out is the one to report."""
+    first: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as err:
+            if raise_first and first is None:
+                first = err
+            else:
+                log.warning("while closing after an error: %s", err)
+    if first is not None:
+        raise first
 
 
 def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch] | None:
