@@ -147,6 +147,29 @@ def test_every_config_field_has_a_resume_rule():
     assert resume_rule("metrics.wandb") == resume_rule("eval.every_steps") == "free"
 
 
+@pytest.mark.parametrize(("arch", "change", "named"), [
+    ("dflash", "model.arch=dflash2", 'model.arch: "dflash" -> "dflash2"'),
+    ("dflash2", "model.arch=dflash", 'model.arch: "dflash2" -> "dflash"'),
+    ("dflash", "model.intermediate_size=128", "model.intermediate_size: 256 -> 128"),
+    ("dflash", "model.num_key_value_heads=1", "model.num_key_value_heads: 2 -> 1"),
+    ("dflash2", "model.selector_rank=4", "model.selector_rank: 16 -> 4"),
+])
+def test_the_model_family_and_size_cannot_change_within_a_run_dir(cache, tmp_path, capsys, arch, change, named):
+    """Even with checkpoint.allow_config_change the saved weights load only into the model they were trained as:
+    a changed family or size is a one-line error naming the field (exit 2), before anything is written."""
+    run = tmp_path / "run"
+    assert _train(cache, run, f"model.arch={arch}", "train.max_steps=2", "checkpoint.every_steps=2",
+                  capsys=capsys)[0] == 0
+    for allow in ("false", "true"):
+        rc, err = _train(cache, run, f"model.arch={arch}", change, "train.max_steps=4",
+                         f"checkpoint.allow_config_change={allow}", capsys=capsys)
+        assert rc == 2 and "Traceback" not in err, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("error: ") and named in last and "new --run-dir" in last, last
+        assert "another family or size" in last
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]  # nothing was touched by the refusals
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_with_a_changed_config(cache, tmp_path, capsys, caplog, optimizer):
     run = tmp_path / "run"

@@ -98,6 +98,33 @@ def check_config_compatible(ckpt: LoadedCheckpoint, current: dict[str, Any], all
     return bool(changes["result"])
 
 
+# the model fields that decide which weights the drafter has and their shapes (its family and size); a
+# checkpoint's weights load only into a model built with the same values, so none can change within a run dir
+WEIGHT_FIELDS = ("model.arch", "model.num_hidden_layers", "model.num_attention_heads", "model.num_key_value_heads",
+                 "model.head_dim", "model.intermediate_size", "model.conv_kernel_size", "model.conv_group_size",
+                 "model.selector_rank")
+
+
+def check_model_shape(ckpt: LoadedCheckpoint, model_state: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose weights (names or shapes) are not those of the model this config builds,
+    naming the changed :data:`WEIGHT_FIELDS` (or, failing that, the first differing weights)."""
+    saved = {k: tuple(v.shape) for k, v in ckpt.model.items()}
+    built = {k: tuple(v.shape) for k, v in model_state.items()}
+    if saved == built:
+        return
+    changed = [c for c in config_changes(ckpt.config, current)["result"] if c.split(":")[0] in WEIGHT_FIELDS]
+    if not changed:
+        changed = [f"weight {k}: {list(saved[k]) if k in saved else '<absent>'} -> "
+                   f"{list(built[k]) if k in built else '<absent>'}"
+                   for k in sorted(set(saved) | set(built)) if saved.get(k) != built.get(k)][:3]
+    raise ConfigError(
+        f"checkpoint {ckpt.path} holds a drafter of another family or size than this config builds; changed: "
+        f"{'; '.join(changed)}. A run dir keeps one model (not even checkpoint.allow_config_change changes it): "
+        f"rerun with the checkpoint's values (see {ckpt.path / 'config.json'}), or train the new model in a new "
+        "--run-dir"
+    )
+
+
 def check_resumable(run_dir: Path, discard_invalid: bool) -> None:
     """Called when no checkpoint of ``run_dir`` is valid: refuse to restart from step 0 over checkpoints that
     exist (torn or corrupt), unless ``discard_invalid`` moves them aside; a metrics file of an attempt that
@@ -194,6 +221,7 @@ def resume(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, cache: ReadableCache,
             f"{d.world_size}; each rank resumes its own slice of the plan, so resume with "
             f"--nproc-per-node {saved_world} (or start a new --run-dir)"
         )
+    check_model_shape(latest, model.state_dict(), ckpt.config)  # even with allow_config_change: weights cannot
     changed = check_config_compatible(latest, ckpt.config, ckpt_cfg.allow_config_change)
     components.check(latest.state, str(latest.path))
     optimizer, scheduler = components["optimizer"], components["scheduler"]
