@@ -244,7 +244,8 @@ class CheckpointConfig(Section):
     allow_config_change: bool = False
     """Resume although the config differs from the checkpoint's in a field that changes the result (lr,
     schedule, optimizer, model ...): the new values apply from the resumed step on, and the change is
-    logged."""
+    logged. The model's family and size (``model.arch``, layer count, heads, widths) never change within a run
+    dir: the saved weights would not fit."""
     discard_invalid: bool = False
     """When the run dir holds checkpoints but none is valid, move them and the metrics to
     `RUN/discarded-<time>/` and start from step 0 (otherwise the run stops and says what it found)."""
