@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dflash_cache.lease import LEASE_TIMEOUT_S
-from dflash_cache.runtime.entry import run_cli
+from dflash_cache.runtime.entry import finite_float, run_cli
 
 
 def cache_summary(url: str) -> dict[str, Any]:
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("verify").set_defaults(fn=_cmd_verify)
     gc = add("gc")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
-    gc.add_argument("--min-age", type=float, default=LEASE_TIMEOUT_S,
+    gc.add_argument("--min-age", type=finite_float, default=LEASE_TIMEOUT_S,
                     help="leftovers of writers on other hosts count as abandoned when their lease heartbeat is older "
                          "than this many seconds (writers on this host: when their process is gone)")
     gc.set_defaults(fn=_cmd_gc)

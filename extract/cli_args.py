@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from dflash_cache.errors import ConfigError
 from dflash_cache.runtime.config import load_config
-from dflash_cache.runtime.entry import Arguments, command_parser
+from dflash_cache.runtime.entry import Arguments, command_parser, finite_float
 from dflash_cache.runtime.schema import PipelineConfig
 
 DEFAULT_TOKENS_PER_S = 26_000  # a 27B-width drafter step on one H200 (README performance table)
@@ -60,7 +60,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="input data (overrides data.path)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--skip-bad", action="store_true", help="count and skip malformed records instead of failing")
-    p.add_argument("--tokens-per-s", type=float, default=DEFAULT_TOKENS_PER_S,
+    p.add_argument("--tokens-per-s", type=finite_float, default=DEFAULT_TOKENS_PER_S,
                    help="training speed to size the read bandwidth and reader cores for (all ranks together)")
     p.add_argument("--decode-gbps", action="append", default=[], metavar="CODEC=GBPS",
                    help="decoded GB/s per reader core measured for a codec (repeatable), e.g. bf16-zstd=1.1")

@@ -3,6 +3,7 @@ size per codec, without loading the teacher's weights."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -135,17 +136,18 @@ def _decode_rates(items: Sequence[str]) -> dict[str, float]:
             rate = float(value)
         except ValueError:
             rate = -1.0
-        if codec not in CODEC_RATIO or rate <= 0:
+        if codec not in CODEC_RATIO or not (math.isfinite(rate) and rate > 0):  # (nan > 0 is false too)
             raise UsageError(f"--decode-gbps {item!r}: expected CODEC=GBPS with CODEC one of {list(CODEC_RATIO)} and a "
-                             "positive rate, e.g. bf16-zstd=1.1")
+                             "positive finite rate, e.g. bf16-zstd=1.1")
         out[codec] = rate
     return out
 
 
 def cli_main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
+    rates = _decode_rates(args.decode_gbps)  # a bad rate costs no data reading
     cfg = load_run_config(args.config, args.set, args.data, args.skip_bad)
-    est = estimate(cfg, args.tokens_per_s, _decode_rates(args.decode_gbps))
+    est = estimate(cfg, args.tokens_per_s, rates)
     for line in est.lines(cfg.cache.codec):
         print(line)
     return 0

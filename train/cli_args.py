@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from dflash_cache.runtime.config import load_config
-from dflash_cache.runtime.entry import Arguments, command_parser
+from dflash_cache.runtime.entry import Arguments, command_parser, finite_float
 
 EXPORT_DTYPES = ["bfloat16", "float16", "float32"]  # train.tools.export's weight dtypes, by name
 
@@ -33,10 +33,10 @@ def eval_parser() -> argparse.ArgumentParser:
                    help="evaluate (teacher-forced, and live prompts) on the held-out samples (default) or the whole "
                         "cache (which includes the training samples)")
     p.add_argument("--live", action="store_true", help="also run live speculative decoding with the teacher")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=finite_float, default=0.0,
                    help="--live: verify by speculative sampling at this temperature (lossless in distribution); "
                         "0 (default) = greedy, checked token for token")
-    p.add_argument("--top-p", type=float, default=1.0, help="--live with --temperature: nucleus sampling (1 = off)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="--live with --temperature: nucleus sampling (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="--live with --temperature: top-k sampling (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="--live with --temperature: the sampling seed")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
@@ -73,7 +73,7 @@ def report_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a run directory written by dflash-train")
     p.add_argument("--png", help="also write a figure to this file")
     p.add_argument("--window", type=int, default=64, help="trailing window (steps) for spike z-scores")
-    p.add_argument("--z", type=float, default=6.0, help="robust z-score above which a loss is a spike")
+    p.add_argument("--z", type=finite_float, default=6.0, help="robust z-score above which a loss is a spike")
     return p
 
 

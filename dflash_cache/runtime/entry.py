@@ -6,6 +6,7 @@ import argparse
 import difflib
 import importlib
 import logging
+import math
 import shutil
 import sys
 import textwrap
@@ -90,6 +91,18 @@ class _ParagraphsFormatter(argparse.HelpFormatter):
             block if any(line.startswith(" ") for line in block.splitlines())
             else textwrap.fill(" ".join(block.split()), width, initial_indent=indent, subsequent_indent=indent)
             for block in text.split("\n\n"))
+
+
+def finite_float(text: str) -> float:
+    """argparse ``type`` of every float argument: ``nan`` and ``inf`` are argument errors (exit 2), not values
+    that slip past a range check (``nan < 0`` is false) into the work."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def command_parser(prog: str, *paragraphs: str, epilog: str | None = None) -> argparse.ArgumentParser:

@@ -13,7 +13,9 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 class Section(BaseModel):
     # every field's docstring is its description: docs/config.md is generated from them
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # nan and inf are never a setting: refused with the field's name (nan would pass every range check)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 def field_error(loc: tuple[str, ...], value: object, message: str) -> InitErrorDetails:

@@ -696,7 +696,7 @@ def check_fits(cfg: Any, cache: ReadableCache, device: Any, total: int | None = 
 
 
 def build_parser() -> Any:
-    from dflash_cache.runtime.entry import command_parser
+    from dflash_cache.runtime.entry import command_parser, finite_float
 
     p = command_parser(
         "dflash-train estimate",
@@ -706,13 +706,13 @@ def build_parser() -> Any:
     p.add_argument("config", help="TOML preset, e.g. configs/qwen3-8b.toml (keys: docs/config.md)")
     p.add_argument("--cache", help="a feature cache: block positions per step and steps per epoch from its real "
                    "plan (only small index arrays are read)")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="device memory to fit in, in GiB "
+    p.add_argument("--gpu-memory", type=finite_float, metavar="GIB", help="device memory to fit in, in GiB "
                    "(default: this machine's GPU, else 80 GB)")
-    p.add_argument("--tokens-per-s", type=float, help="measured training throughput, for the time per epoch "
+    p.add_argument("--tokens-per-s", type=finite_float, help="measured training throughput, for the time per epoch "
                    "(default: from the FLOPs at --mfu of --gpu-tflops)")
-    p.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU in TFLOP/s "
+    p.add_argument("--gpu-tflops", type=finite_float, default=989.0, help="dense bf16 peak of the GPU in TFLOP/s "
                    "(default 989: H100/H200 SXM)")
-    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation assumed for the time "
+    p.add_argument("--mfu", type=finite_float, default=0.35, help="model FLOPs utilisation assumed for the time "
                    "(default 0.35)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device to size for")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -19,6 +19,7 @@ alike, as serving engines do.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
+        for name, value in (("--temperature", self.temperature), ("--top-p", self.top_p)):
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} {value}: must be a finite number")
         if self.temperature < 0:
             raise ConfigError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
