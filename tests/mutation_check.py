@@ -108,6 +108,12 @@ MUTANTS = [
              "        except BaseException as err:\n            raise\n            if raise_first and first is None:\n"),),
            ("tests/test_reliability_sweep.py::"
             "test_a_failed_checkpoint_write_then_a_failed_metrics_write_leave_no_thread_running",)),
+    Mutant("distill-teacher-row-shifted", "distillation: a block row is trained against the teacher's distribution "
+           "for that row's own target token", "train/models/distill.py",
+           (("    src = (blocks.layout.anchors.to(final.device).unsqueeze(1) + k - 1).clamp(min=0)",
+             "    src = (blocks.layout.anchors.to(final.device).unsqueeze(1) + k).clamp(min=0)"),),
+           ("tests/test_distill.py::test_each_row_is_distilled_against_the_teacher_distribution_of_its_own_target_token",
+            "tests/test_distill.py::test_batch_loss_and_every_gradient_equal_the_dense_reference")),
 ]
 
 

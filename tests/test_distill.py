@@ -22,7 +22,6 @@ from train.models.distill import (
     chunked_distillation,
     distill_loss,
     split_final_hidden,
-    teacher_rows,
 )
 from train.models.objective import (
     DPaceWeighting,
@@ -145,7 +144,10 @@ def _dense_reference(model, batch, kind: str, w: float, weighting: str, num_anch
     rows = blocks.row_valid.reshape(-1).nonzero().flatten()
     _, final = split_final_hidden(model, batch.features)
     zq = model.logits(hidden).flatten(0, 1)[rows]  # [N, V]
-    zp = teacher_rows(final, blocks, rows).float() @ model.lm_head.float().t()
+    # row k of the block anchored at flat position a targets the token at a + k, which the teacher predicted
+    # from position a + k - 1 (written out here, not taken from the code under test)
+    src = (anchors.unsqueeze(1) + torch.arange(model.block_size) - 1).flatten()[rows]  # [N]
+    zp = final.flatten(0, 1)[src].float() @ model.lm_head.float().t()
     loss_rows, alpha = dense_rows(zq, zp, blocks.targets.flatten()[rows], kind, w)
     if weighting == "exp_decay":
         wts = (loss_weights(model.block_size, 7.0, zq.device) * blocks.row_valid).flatten()
@@ -171,6 +173,37 @@ def test_batch_loss_and_every_gradient_equal_the_dense_reference(kind, w, weight
         if q.grad is not None:
             assert_grad_close(p.grad, q.grad, name)
     assert 0 < out.metrics["alpha"].item() < 1
+
+
+def _next_token_teacher_batch(seed: int = 6, scale: float = 100.0):
+    """A batch whose teacher state at each position t is ``scale * lm_head[token t+1]``: its distribution there
+    is (to e^-100) one-hot at the next token, so a distribution loss over these rows is the data CE -- the
+    reference needs no row alignment from the code under test."""
+    batch = tiny_batch(rows=2, length=48, docs_per_row=2, seed=seed)
+    model = tiny_drafter(seed=9)
+    nxt = torch.roll(batch.input_ids, -1, dims=1)  # [R, T] token t+1 (the last position's is never a target)
+    final = (scale * model.lm_head.detach()[nxt]).to(torch.bfloat16)  # [R, T, H]
+    batch.features = torch.cat([batch.features, final], -1)
+    p = torch.softmax(final.float() @ model.lm_head.detach().float().t(), -1)  # [R, T, V]
+    assert bool((p.argmax(-1) == nxt).all()) and p.amax(-1).min() > 1 - 1e-6  # the fixture is what it says
+    return batch
+
+
+@pytest.mark.parametrize("kind", ["kl", "lk_alpha"])
+@pytest.mark.parametrize("weighting", ["exp_decay", "dpace"])
+def test_each_row_is_distilled_against_the_teacher_distribution_of_its_own_target_token(kind, weighting):
+    """The teacher distribution used for a block row is the one the teacher gave for that row's target token:
+    with a teacher certain of every next token, KL (and -log alpha) per row is the row's CE on the data token,
+    so the batch loss equals the CE objective's. A teacher row shifted by one position is certain of another
+    token and gives another loss."""
+    batch = _next_token_teacher_batch()
+    pw = (lambda: ExpDecayWeighting(7.0)) if weighting == "exp_decay" else (lambda: DPaceWeighting(0.3))
+    ce = dflash_loss(tiny_drafter(seed=9), batch, num_anchors=8, weighting=pw())
+    out = distill_loss(tiny_drafter(seed=9), batch, DistributionLoss(kind), num_anchors=8, weighting=pw(),
+                       chunk_rows=5)
+    assert abs(out.loss.item() - ce.loss.item()) <= 1e-4 * ce.loss.item(), (out.loss.item(), ce.loss.item())
+    if kind == "lk_alpha":  # alpha = q[target]: the mean acceptance probability is exp(-CE) per row
+        assert 0 < out.metrics["alpha"].item() < 1
 
 
 def test_the_final_slot_never_reaches_the_drafter():
