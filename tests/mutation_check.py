@@ -114,6 +114,22 @@ MUTANTS = [
              "    src = (blocks.layout.anchors.to(final.device).unsqueeze(1) + k).clamp(min=0)"),),
            ("tests/test_distill.py::test_each_row_is_distilled_against_the_teacher_distribution_of_its_own_target_token",
             "tests/test_distill.py::test_batch_loss_and_every_gradient_equal_the_dense_reference")),
+    Mutant("bonus-token-from-last-draft-row", "speculative sampling (eval --live): after a fully accepted block "
+           "the bonus token is drawn from the teacher's row after the last draft", "train/tools/sampling.py",
+           (("        return out + [self.sample(p[len(drafts)])]\n",
+             "        return out + [self.sample(p[len(drafts) - 1])]\n"),),
+           ("tests/test_sampling_bonus.py::test_the_bonus_token_of_an_accepted_block_follows_the_row_after_the_last_draft",
+            "tests/test_sampling_bonus.py::test_eval_live_loop_emits_the_bonus_token_from_the_teachers_next_position")),
+    Mutant("shipped-bonus-token-from-last-draft-row", "speculative sampling (shipped dflash.py): after a fully "
+           "accepted block the bonus token is drawn from the target's row after the last draft",
+           "train/models/hf_modeling/dflash.py", (("        dist = p[k]\n", "        dist = p[k - 1]\n"),),
+           ("tests/test_sampling_bonus.py::test_the_bonus_token_of_an_accepted_block_follows_the_row_after_the_last_draft",)),
+    Mutant("shipped-loop-passes-wrong-bonus-row", "spec_generate (shipped dflash.py) verifies with the target's "
+           "distribution after each prefix of the block, the last row after the last draft",
+           "train/models/hf_modeling/dflash.py",
+           (("accepted, nxt = speculative_sampling(block[0, 1:].cpu(), q, p, generator)",
+             "accepted, nxt = speculative_sampling(block[0, 1:].cpu(), q, torch.cat([p[:-1], p[-2:-1]]), generator)"),),
+           ("tests/test_sampling_bonus.py::test_shipped_spec_generate_emits_the_bonus_token_from_the_teachers_next_position",)),
 ]
 
 
