@@ -130,6 +130,21 @@ MUTANTS = [
            (("accepted, nxt = speculative_sampling(block[0, 1:].cpu(), q, p, generator)",
              "accepted, nxt = speculative_sampling(block[0, 1:].cpu(), q, torch.cat([p[:-1], p[-2:-1]]), generator)"),),
            ("tests/test_sampling_bonus.py::test_shipped_spec_generate_emits_the_bonus_token_from_the_teachers_next_position",)),
+    Mutant("shipped-top-p-drops-the-crossing-token", "top-p (shipped dflash.py) keeps the smallest prefix of the "
+           "sorted tokens reaching top_p, the token that crosses it included", "train/models/hf_modeling/dflash.py",
+           (("sorted_p.cumsum(-1) - sorted_p >= top_p)", "sorted_p.cumsum(-1) >= top_p)"),),
+           ("tests/test_sampling_shipped_warp.py::test_shipped_warp_probs_is_the_distribution_worked_out_by_hand",)),
+    Mutant("shipped-top-k-keeps-one-less", "top-k (shipped dflash.py) keeps the k most likely tokens",
+           "train/models/hf_modeling/dflash.py",
+           (("z = z.masked_fill(z < z.topk(top_k, dim=-1).values[..., -1:]",
+             "z = z.masked_fill(z <= z.topk(top_k, dim=-1).values[..., -1:]"),),
+           ("tests/test_sampling_shipped_warp.py::test_shipped_warp_probs_is_the_distribution_worked_out_by_hand",)),
+    Mutant("shipped-spec-generate-verifies-without-top-p", "spec_generate (shipped dflash.py) verifies against the "
+           "target's distribution under the caller's top-p", "train/models/hf_modeling/dflash.py",
+           (("p = warp_probs(out.logits[0], temperature, top_p, top_k).cpu()",
+             "p = warp_probs(out.logits[0], temperature, 1.0, top_k).cpu()"),),
+           ("tests/test_sampling_shipped_warp.py::"
+            "test_shipped_spec_generate_with_top_p_and_top_k_samples_the_teachers_distribution",)),
 ]
 
 
