@@ -145,6 +145,18 @@ MUTANTS = [
              "p = warp_probs(out.logits[0], temperature, 1.0, top_k).cpu()"),),
            ("tests/test_sampling_shipped_warp.py::"
             "test_shipped_spec_generate_with_top_p_and_top_k_samples_the_teachers_distribution",)),
+    Mutant("guard-ignores-rising-norm", "the guard refuses a level shift while the norm is still rising across its "
+           "spikes", "train/components/guards.py",
+           (("        if late > self.cfg.rebaseline_max_rise * early:\n", "        if False:\n"),),
+           ("tests/test_guards.py::test_a_norm_growing_geometrically_under_a_flat_loss_stops_the_run",)),
+    Mutant("guard-rising-norm-inverted", "a settling overshoot (the norm falling across the spikes) is a level shift",
+           "train/components/guards.py",
+           (("        if late > self.cfg.rebaseline_max_rise * early:\n",
+             "        if early > self.cfg.rebaseline_max_rise * late:\n"),),
+           ("tests/test_guards.py::test_a_settling_overshoot_is_a_level_shift_within_rebaseline_after_skips",)),
+    Mutant("guard-forgets-the-last-level-shift", "a second level shift up within guards.window steps is refused",
+           "train/components/guards.py", (("            self.since_shift = 0\n", ""),),
+           ("tests/test_guards.py::test_a_norm_growing_geometrically_under_a_flat_loss_stops_the_run",)),
 ]
 
 

@@ -180,6 +180,39 @@ def test_nonfinite_stream_stops_and_is_never_rebaselined():
     assert stop == 30 + cfg.max_consecutive_skips and g.rebaselines == 0
 
 
+def _grow_from(series: list[tuple[float, float]], at: int, rate: float) -> list[tuple[float, float]]:
+    """From step ``at`` on the norm grows by ``rate`` per step; the loss stays as it was."""
+    return [(loss, gn * rate ** max(0, step - at + 1)) for step, (loss, gn) in enumerate(series, start=1)]
+
+
+@pytest.mark.parametrize("rate", [1.05, 1.1, 1.15, 1.25, 1.5, 3.0])
+def test_a_norm_growing_geometrically_under_a_flat_loss_stops_the_run(rate):
+    """Only the norm says the run is blowing up here. From ~20% a step its rise across one set of spikes refuses
+    the level shift; slower, the first shift may be accepted, and the next one up within guards.window steps is
+    refused: the run stops instead of re-baselining while the norm climbs by orders of magnitude. (Under ~4% a
+    step no step is ever a spike: the window follows the drift.)"""
+    cfg = GuardsConfig()
+    skipped, stop, g = _run_series(cfg, _grow_from(_healthy(400, seed=5, flat=True), at=40, rate=rate))
+    assert stop is not None and stop <= 40 + 2 * cfg.window, (rate, skipped, g.rebaselines)
+    assert g.consecutive_skips == cfg.max_consecutive_skips
+    assert g.rebaselines == 0 if rate >= 1.2 else g.rebaselines <= 1, g.rebaselines
+    assert g.last_refusal and "gradient norm is rising" in g.last_refusal, g.last_refusal
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_settling_overshoot_is_a_level_shift_within_rebaseline_after_skips(seed):
+    """The norm jumps to ~75x at step 25 and settles to ~15x within a few steps (falling across the spikes, by
+    more than guards.rebaseline_max_rise between their halves): one re-baseline after at most rebaseline_after
+    skips, far inside the skip budget, and training goes on."""
+    cfg = GuardsConfig()
+    series = _healthy(200, seed=seed)
+    series = [(loss, gn * (15.0 + 60.0 * math.exp(-(step - 25) / 3) if step >= 25 else 1.0))
+              for step, (loss, gn) in enumerate(series, start=1)]
+    skipped, stop, g = _run_series(cfg, series)
+    assert stop is None and g.rebaselines == 1, (skipped, g.last_refusal)
+    assert 1 <= len(skipped) <= cfg.rebaseline_after and all(25 <= s < 25 + 2 * cfg.rebaseline_after for s in skipped)
+
+
 def test_rebaseline_zero_restores_the_strict_guard():
     cfg = GuardsConfig(rebaseline_after=0)
     skipped, stop, _ = _run_series(cfg, _healthy(200, shift_at=25, factor=20.0))
@@ -213,6 +246,17 @@ JUMP = json.dumps({"grad_scale_from": 14, "grad_scale": 40.0})  # the norm x40 f
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
     return small_cache(str(tmp_path_factory.mktemp("cache") / "cache"))
+
+
+def test_trainer_stops_with_exit_3_on_a_norm_growing_geometrically_under_an_unchanged_loss(cache, tmp_path):
+    """The gradient (not the logged loss) x1.5 a step from step 14: refused as a level shift ("rising"), and the
+    run stops with exit code 3 instead of re-baselining."""
+    run = tmp_path / "run"
+    proc = run_train(BASE, cache, run, "train.max_steps=60", "checkpoint.every_steps=100", expect=3,
+                     DFLASH_TEST_FAULTS=json.dumps({"grad_scale_from": 14, "grad_growth": 1.5}))
+    assert "20 consecutive steps were skipped" in proc.stderr and "gradient norm is rising" in proc.stderr
+    recs = read_metrics(run)
+    assert max(r["train/guard_rebaselines"] for r in recs) == 0 and recs[-1]["step"] < 60
 
 
 def test_trainer_accepts_a_level_shift_of_the_grad_norm(cache, tmp_path):

@@ -19,7 +19,10 @@ last ``4 * rebaseline_after`` finite steps, skipped ones included. A grad-norm s
   above the median of the ``rebaseline_after`` accepted steps before the first spike; sigma: the
   window's batch-to-batch noise, from successive differences, so a falling loss's trend does not widen it): the grad-norm window is replaced by the spikes' norms and the step is applied;
 - refused otherwise (norm or loss rising: a divergence): the step is skipped, and
-  ``max_consecutive_skips`` skips in a row stop the run (exit code 3).
+  ``max_consecutive_skips`` skips in a row stop the run (exit code 3). A second level shift up within
+  ``window`` steps of an accepted one is refused too: a norm that grows geometrically (a few percent a step,
+  under a flat loss) rises too slowly across one set of spikes for the test above, but would otherwise be
+  re-baselined again and again while it climbs by orders of magnitude.
 
 So a level shift costs at most ``rebaseline_after`` skipped steps; an isolated spike (a few adversarial
 batches) never reaches that count and is skipped with the optimizer untouched; non-finite values and
@@ -96,6 +99,7 @@ class SpikeGuard:
         self.last_refusal: str | None = None  # why the last level-shift test refused (for the stop message)
         # (median, batch-to-batch noise) of the accepted losses just before the first spike still in `recent`
         self.loss_before: tuple[float, float] | None = None
+        self.since_shift: int | None = None  # steps since the last accepted level shift (None: none yet)
 
     @property
     def _recent_len(self) -> int:
@@ -147,11 +151,18 @@ class SpikeGuard:
         loss_late = _median(sorted(spike_losses[len(spike_losses) // 2:]))
         if loss_late > loss_before + self.cfg.rebaseline_max_loss_z * loss_noise:
             return f"the loss is rising ({loss_before:.4g} before the spikes, {loss_late:.4g} at their end)"
+        if self.since_shift is not None and self.since_shift < self.cfg.window:
+            return (f"the gradient norm is rising: a second level shift up {self.since_shift} steps after the "
+                    f"last accepted one (median {early:.4g} -> {late:.4g} across these spikes; guards.window = "
+                    f"{self.cfg.window})")
         return None
 
     def update(self, verdict: Verdict, loss: float, grad_norm: float) -> None:
         """Record the outcome of a step: accepted values enter the window, skips are counted."""
+        if self.since_shift is not None:
+            self.since_shift += 1
         if verdict.rebaseline:
+            self.since_shift = 0
             spike_norms = [g for _, g, spike in self.recent if spike]
             self.grad_norms = deque(spike_norms + [float(grad_norm)], maxlen=self.cfg.window)
             self.losses.append(float(loss))
@@ -191,6 +202,7 @@ class SpikeGuard:
             "rebaselines": self.rebaselines,
             "recent": [list(r) for r in self.recent],
             "loss_before": None if self.loss_before is None else list(self.loss_before),
+            "since_shift": self.since_shift,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -205,3 +217,5 @@ class SpikeGuard:
         self.last_refusal = None
         before = state.get("loss_before")
         self.loss_before = None if before is None else (float(before[0]), float(before[1]))
+        since = state.get("since_shift")  # (checkpoints written before this rule: no shift remembered)
+        self.since_shift = None if since is None else int(since)

@@ -35,7 +35,9 @@ class FaultPlan:
     of each step in ``spike_steps`` is multiplied by ``spike_scale``, before backward, on the real code path.
 
     From step ``grad_scale_from`` on, the gradient (not the logged loss) is multiplied by ``grad_scale``: a
-    lasting level shift of the gradient norm that a scale-invariant optimizer (AdamW, Muon) trains through.
+    lasting level shift of the gradient norm that a scale-invariant optimizer (AdamW, Muon) trains through;
+    with ``grad_growth`` also by ``grad_growth ** (step - grad_scale_from)``: a norm growing geometrically
+    under an unchanged loss.
 
     Set through ``DFLASH_TEST_FAULTS='{"nan_steps": [5], "spike_steps": [9], "spike_scale": 1e6}'``."""
 
@@ -44,6 +46,7 @@ class FaultPlan:
     spike_scale: float = 1e6
     grad_scale_from: int | None = None
     grad_scale: float = 1.0
+    grad_growth: float = 1.0
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -56,7 +59,7 @@ class FaultPlan:
                        frozenset(int(s) for s in spec.get("spike_steps", [])),
                        float(spec.get("spike_scale", 1e6)),
                        None if spec.get("grad_scale_from") is None else int(spec["grad_scale_from"]),
-                       float(spec.get("grad_scale", 1.0)))
+                       float(spec.get("grad_scale", 1.0)), float(spec.get("grad_growth", 1.0)))
         except (ValueError, TypeError, AttributeError) as err:
             raise ConfigError(f"{FAULTS_ENV}={raw!r}: expected a JSON object with nan_steps / spike_steps lists "
                               f"and an optional spike_scale ({err})") from None
@@ -64,7 +67,9 @@ class FaultPlan:
 
     def backward_scale(self, step: int) -> float:
         """The gradient multiplier of ``step`` (1.0 unless a level shift is injected)."""
-        return self.grad_scale if self.grad_scale_from is not None and step >= self.grad_scale_from else 1.0
+        if self.grad_scale_from is None or step < self.grad_scale_from:
+            return 1.0
+        return self.grad_scale * self.grad_growth ** (step - self.grad_scale_from)
 
     def scale(self, step: int) -> float:
         """The loss multiplier of ``step``: NaN, ``spike_scale`` or 1.0."""
