@@ -157,6 +157,11 @@ MUTANTS = [
     Mutant("guard-forgets-the-last-level-shift", "a second level shift up within guards.window steps is refused",
            "train/components/guards.py", (("            self.since_shift = 0\n", ""),),
            ("tests/test_guards.py::test_a_norm_growing_geometrically_under_a_flat_loss_stops_the_run",)),
+    Mutant("selector-recall-counts-appended-gold", "selector/topk_recall measures recall of the unary top-K, also "
+           "under train.selector_gold_outside=append", "train/models/dflash2.py",
+           (("metrics.update(selector_metric_sums(blocks, rows, chosen, (top_idx == gold.unsqueeze(1)).any(-1)))",
+             "metrics.update(selector_metric_sums(blocks, rows, chosen, trains))"),),
+           ("tests/test_model_dflash2.py::test_selector_topk_recall_is_the_share_of_rows_whose_gold_is_a_candidate",)),
 ]
 
 

@@ -207,6 +207,37 @@ def test_dflash2_loss_matches_a_per_row_computation(rule):
     assert float(out.loss) == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.parametrize("rule", ["drop", "append"])
+def test_selector_topk_recall_is_the_share_of_rows_whose_gold_is_a_candidate(rule):
+    """selector/topk_recall (and per position) measures recall under either gold-outside rule: with ``append``
+    the gold token is scored as an extra column, yet a row whose gold is outside the unary top-K is still a
+    miss (not 1.0). The reference counts rows one at a time against the transformed logits' top-K."""
+    from train.models.dflash2 import selector_summary
+
+    model = dflash2_drafter(output_multiplier=1.3, final_logit_softcapping=4.0)
+    batch = tiny_batch(rows=2, length=40, seed=3)
+    with torch.no_grad():
+        out = dflash2_loss(model, batch, num_anchors=6, selector=SelectorLoss(0.7, rule), chunk_rows=5)
+        B, cfg = model.config.block_size, model.config
+        flat = FlatBatch.of(batch)
+        anchors = sample_anchors(flat.eligible, flat.docs, 6, torch.Generator().manual_seed(int(batch.seed)))
+        hidden, blocks = forward_blocks(model, batch, flat, anchors)
+        hits, rows = [0] * B, [0] * B
+        for a in range(hidden.shape[0]):
+            for k in range(1, B):
+                if blocks.row_valid[a, k]:
+                    z = transform(hidden[a, k] @ model.lm_head.t(), cfg.output_multiplier, cfg.final_logit_softcapping)
+                    rows[k] += 1
+                    hits[k] += int(blocks.targets[a, k]) in z.topk(model.candidate_selector.top_k).indices.tolist()
+    summary = selector_summary(out.metrics)
+    want = sum(hits) / sum(rows)
+    assert 0.0 < want < 1.0  # top-8 of 96: some gold tokens are outside
+    assert summary["selector/topk_recall"] == pytest.approx(want, abs=1e-12)
+    for k in range(1, B):
+        if rows[k]:
+            assert summary[f"selector/recall_pos_{k}"] == pytest.approx(hits[k] / rows[k], abs=1e-12)
+
+
 def _one_row_outside_top_k(rule: str):
     """A single block whose row 1's gold token is not among the top-K: the selector loss and its gradient."""
     model = dflash2_drafter(selector_top_k=2)
