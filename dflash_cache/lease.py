@@ -43,8 +43,10 @@ from dataclasses import dataclass
 
 from . import locks
 from .errors import CacheError
+from .fence import discard_generation, seal_gen
 from .locks import Contended, GenerationLock, HolderRecord, Keeper, generation_of, host_name
-from .parts import COMMIT, gen_of
+from .parts import COMMIT, Generation, gen_of
+from .recover import resolve_sealed
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -177,9 +179,15 @@ class PartLease(GenerationLock):
 
     prefix = _PREFIX
 
-    def __init__(self, storage: Storage, key: str, gen: int):
+    def __init__(self, storage: Storage, key: str, gen: int, timeout_s: float = LEASE_TIMEOUT_S):
         super().__init__(storage, key, gen, _keeper)
         self.key = key
+        self.timeout_s = timeout_s  # the staleness rule this process applied when it took the part
+
+    @property
+    def generation(self) -> Generation:
+        """The generation this lease writes (its data directory and seal carry this lease's token)."""
+        return Generation(self.gen, self.token)
 
     def holder(self) -> HolderRecord:
         return Holder.mine(gen=self.gen, token=self.token)
@@ -192,17 +200,28 @@ class PartLease(GenerationLock):
         """Remove what earlier (dead) writers left in the part: their generations' directories (fenced:
         see :mod:`dflash_cache.fence`) and files of the older single-directory layout. Never runs on a
         committed part; never touches this or a newer generation, lease files or seals."""
-        from .fence import discard_generation, seal_gen
-
         if self.storage.exists(f"{self.key}/{COMMIT}"):
             raise PartCommittedError(f"part {self.key} is already committed; a part is written once")
+        mine = self.generation
         for name in self.storage.list_dir(self.key):
             g = gen_of(name)
             if g is not None:
-                if g < self.gen:
+                if g.superseded_by(mine):
                     discard_generation(self.storage, self.key, g)
             elif not (is_lease_file(name) or seal_gen(name) is not None or name in ("zarr.json", COMMIT)):
                 self.storage.remove_entry(f"{self.key}/{name}")
+
+
+def _newest_number(storage: Storage, key: str) -> tuple[int, Holder | None]:
+    """``(number, holder)``: the holder of the newest lease file, and the highest number of any lease file,
+    generation directory or seal in the part, so that the next lease is numbered above every generation
+    left in it (their order then tells a leftover from a newer holder's generation)."""
+    gen, holder = newest(storage, key)
+    for name in storage.list_dir(key):
+        g = gen_of(name) or seal_gen(name)
+        if g is not None:
+            gen = max(gen, g.number)
+    return gen, holder
 
 
 def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> PartLease:
@@ -213,7 +232,8 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
             raise PartCommittedError(f"part {key} is already committed; a part is written once")
 
     try:
-        lease, holder = locks.take_generation(lambda gen: PartLease(storage, key, gen), lambda: newest(storage, key),
+        lease, holder = locks.take_generation(lambda gen: PartLease(storage, key, gen, timeout_s),
+                                              lambda: _newest_number(storage, key),
                                               lambda h: _live(storage, h, timeout_s), not_committed)
     except Contended as err:
         if err.holder is not None:  # a live holder, or other writers kept taking (and giving back) the part
@@ -223,9 +243,7 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
     if holder is not None:
         log.info("took over part %s from %s (gone)", key, holder.describe())  # type: ignore[attr-defined]
     try:
-        from .recover import resolve_sealed
-
-        committed = resolve_sealed(storage, key, lease.gen)  # a writer that stopped between seal and commit
+        committed = resolve_sealed(storage, key, lease.generation)  # a writer that stopped between seal and commit
     except BaseException:
         lease.release()
         raise

@@ -36,6 +36,7 @@ from .lease import (
 from .parts import COMMIT, PartInfo, check_part_name, part_key
 from .reader import PartReaderCache, Sample
 from .spec import ATTR_KEY, FORMAT_VERSION, CacheSpec, describe_diff
+from .spec import root_attrs as _root_attrs
 from .storage import Storage, make_storage
 from .writer import PartWriter
 
@@ -234,9 +235,9 @@ class FeatureCache:
         parts, _ = self.scan_parts()
         for part in parts:  # committed parts: files of writers that lost the part (never read)
             if dry_run:
-                removed += [f"{part.key}/{n}" for n in garbage_of_committed(self.storage, part.key, part.generation)]
+                removed += [f"{part.key}/{n}" for n in garbage_of_committed(self.storage, part.key, part.gen)]
             else:
-                removed += remove_garbage_of_committed(self.storage, part.key, part.generation)
+                removed += remove_garbage_of_committed(self.storage, part.key, part.gen)
         for key in self.uncommitted():
             holder = live_holder(self.storage, key, min_age_s)
             if holder is not None:
@@ -325,22 +326,6 @@ class FeatureCache:
 
 
 # -- create / open ---------------------------------------------------------------------------------
-
-
-def _root_attrs(storage: Storage) -> dict[str, Any] | None:
-    try:
-        raw = storage.get("zarr.json")
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        raise NotACacheError(f"{storage.url}/zarr.json is not valid JSON: this is not a dflash cache") from None
-    attrs = (meta.get("attributes") or {}).get(ATTR_KEY) if isinstance(meta, dict) else None
-    if not isinstance(attrs, dict):
-        raise NotACacheError(f"{storage.url} is a zarr store but not a dflash cache (no '{ATTR_KEY}' root "
-                             "attribute); point at a cache made by dflash-extract")
-    return attrs
 
 
 def _cache_from_attrs(storage: Storage, attrs: dict[str, Any]) -> FeatureCache:

@@ -47,7 +47,7 @@ from .codecs import (
 from .errors import CacheError, DataError
 from .fence import remove_garbage_of_committed, seal_for_commit, seal_key
 from .lease import LEASE_TIMEOUT_S, LeaseLostError, PartCommittedError, PartLease, acquire
-from .parts import COMMIT, PART_GROUP, PartInfo, check_part_name, gen_dir, part_key
+from .parts import COMMIT, PART_GROUP, PartInfo, check_part_name, part_key
 from .runtime.switches import env_switch
 
 if TYPE_CHECKING:
@@ -152,7 +152,8 @@ class PartWriter:
         self._with_argmax: bool | None = None
         self._closed = False
         self._lease = lease if lease is not None else acquire(cache.storage, self.key)
-        self.data_key = f"{self.key}/{gen_dir(self._lease.gen)}"  # this writer's files; nobody else's
+        self.generation = self._lease.generation  # unique for ever: lease number + this writer's token
+        self.data_key = f"{self.key}/{self.generation.dir}"  # this writer's files; nobody else's
         try:
             self._start()
         except BaseException:
@@ -279,7 +280,7 @@ class PartWriter:
         st = self.cache.storage
         if sealed and st.exists(f"{self.key}/{COMMIT}"):  # committed by another writer: this one is garbage now
             with contextlib.suppress(OSError):
-                st.remove(seal_key(self.key, self._lease.gen))
+                st.remove(seal_key(self.key, self.generation))  # (its own: the name carries its token)
             sealed = False
         if not sealed:
             with contextlib.suppress(OSError):
@@ -335,7 +336,7 @@ class PartWriter:
         # so either it sees this seal and keeps the files, or this writer sees its lease and stops. The seal
         # carries the record: should this writer stop before its commit record, the part's next lease holder
         # commits this generation with it once the data verifies (dflash_cache.recover)
-        if not seal_for_commit(st, self.key, self._lease.gen, record):
+        if not seal_for_commit(st, self.key, self.generation, record):
             raise self._lost()
         if not self._lease.held():
             if self._committed_as(record):  # the next holder committed this generation for us
@@ -362,7 +363,7 @@ class PartWriter:
         self._lease.release()
         self._closed = True
         with contextlib.suppress(OSError):  # late writers' garbage: nobody can commit this part any more
-            remove_garbage_of_committed(st, self.key, self._lease.gen)
+            remove_garbage_of_committed(st, self.key, self.generation)
         log.debug("committed part %s: %d samples, %d tokens", self.key, self.n_samples, self.n_tokens)
         return info
 
@@ -386,7 +387,8 @@ class PartWriter:
         return PartInfo(bucket=self.bucket, name=self.name, n_samples=self.n_samples, n_tokens=self.n_tokens,
                         meta=self.meta, codec=self.codec.name, arrays=arrays,
                         chunk_tokens=self.cache.chunk_tokens, shard_tokens=self.cache.shard_tokens,
-                        generation=self._lease.gen, cache_fingerprint=self.cache.spec.fingerprint)
+                        generation=self.generation.number, writer=self.generation.token,
+                        cache_fingerprint=self.cache.spec.fingerprint)
 
     def abort(self) -> None:
         """Drop everything written so far; the part never becomes visible. Removes nothing when the
