@@ -8,17 +8,22 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dflash_cache.extraction import FINISH
 from dflash_cache.lease import LEASE_TIMEOUT_S
 from dflash_cache.runtime.entry import run_cli
+
+UNFINISHED_EXIT = 3  # verify: no damage, but the extraction has not finished (2: damage)
 
 
 def cache_summary(url: str) -> dict[str, Any]:
     """The ``info --json`` document."""
+    from dflash_cache.extraction import extraction_state
     from dflash_cache.store import open_cache
 
     cache = open_cache(url)
     parts = cache.parts()
     n_tokens = sum(p.n_tokens for p in parts)
+    state = extraction_state(cache.storage, parts)
     buckets = []
     for b in range(cache.spec.n_buckets):
         lo, hi = cache.bucket_bounds(b)
@@ -39,6 +44,8 @@ def cache_summary(url: str) -> dict[str, Any]:
         "mask_token_source": cache.spec.mask_token_source,
         "fingerprint": cache.spec.fingerprint,
         "uncommitted_parts": cache.uncommitted(),
+        "extraction": {"status": state.status, "units_total": state.units_total,
+                       "units_complete": state.units_complete, "summary": state.describe()},
     }
 
 
@@ -62,6 +69,8 @@ def _print_info(info: dict[str, Any]) -> None:
         print(f"  bucket ({b['lo']}, {b['hi']}]: {b['n_samples']} samples, {b['n_tokens']} tokens")
     left = info["uncommitted_parts"]
     print(f"uncommitted  {len(left)}" + (f": {', '.join(left)}" if left else ""))
+    x = info["extraction"]
+    print(f"extraction   {x['summary']}" + (f"; {FINISH}" if x["status"] == "unfinished" else ""))
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -81,6 +90,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     print(report.summary())
     for line in report.leftovers():
         print(f"  {line}")
+    if report.ok and not report.finished:  # no damage, but not all there: resumable, not corrupt
+        print(f"error: {args.cache}: {report.extraction.describe() if report.extraction else 'not finished'}; "
+              f"no damage found; {FINISH.replace('CACHE', args.cache)}", file=sys.stderr)
+        return UNFINISHED_EXIT
     if report.ok:
         return 0
     print(f"error: {args.cache}: verify found {len(report.problems)} problem(s), one line per part:", file=sys.stderr)
@@ -115,7 +128,7 @@ _SUBCOMMANDS = {
             "codec, teacher, layers, fingerprint, and uncommitted leftovers.",
     "verify": "Re-read the frozen head and every committed part (checksums, shapes, offsets, id uniqueness, "
               "finiteness) and check that every work unit is complete; list every bad part and exit 2 on any "
-              "fault.",
+              "fault; exit 3 when nothing is damaged but the extraction has not finished (N of M units).",
     "gc": "Remove the uncommitted leftovers of writers that are gone.",
     "release": "Declare a dead host's part leases dead now, so that running or rerun jobs take its parts over at "
                "once instead of after extract.lease_timeout_s; refused while that host's heartbeat is fresh.",

@@ -46,7 +46,6 @@ from .errors import CacheError
 from .fence import discard_generation, seal_gen
 from .locks import Contended, GenerationLock, HolderRecord, Keeper, generation_of, host_name
 from .parts import COMMIT, Generation, gen_of
-from .recover import resolve_sealed
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -243,6 +242,8 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
     if holder is not None:
         log.info("took over part %s from %s (gone)", key, holder.describe())  # type: ignore[attr-defined]
     try:
+        from .recover import resolve_sealed  # (on use: it reads arrays, so it loads numpy and torch)
+
         committed = resolve_sealed(storage, key, lease.generation)  # a writer that stopped between seal and commit
     except BaseException:
         lease.release()
@@ -250,6 +251,21 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
     if committed:
         lease.release()
         raise PartCommittedError(f"part {key} is already committed; a part is written once")
+    return lease  # type: ignore[return-value]
+
+
+def acquire_committed(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> PartLease:
+    """Take the lease of a part that may be committed (to repair a commit record that names a missing
+    generation, :meth:`~dflash_cache.store.FeatureCache.reopen_lost_parts`); no sealed generation is
+    resolved. Raises :class:`LeaseHeldError` when a live process holds it."""
+    try:
+        lease, _ = locks.take_generation(lambda gen: PartLease(storage, key, gen, timeout_s),
+                                         lambda: _newest_number(storage, key), lambda h: _live(storage, h, timeout_s))
+    except Contended as err:
+        if err.holder is not None:
+            raise LeaseHeldError(key, err.holder) from None  # type: ignore[arg-type]
+        raise CacheError(f"part {key}: other processes kept taking its lease while this one tried; rerun the "
+                         "command") from None
     return lease  # type: ignore[return-value]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -21,7 +22,13 @@ from .errors import (
     SampleNotFoundError,
     SpecMismatchError,
 )
-from .fence import commit_sealed, garbage_of_committed, remove_dead_seals, remove_garbage_of_committed
+from .fence import (
+    commit_sealed,
+    garbage_of_committed,
+    remove_dead_seals,
+    remove_garbage_of_committed,
+    seal_key,
+)
 from .head import HEAD_KEY, decode_head, encode_head
 from .index import CacheIndex, build_index
 from .lease import (
@@ -30,6 +37,7 @@ from .lease import (
     PartCommittedError,
     PartLease,
     acquire,
+    acquire_committed,
     is_lease_file,
     live_holder,
 )
@@ -264,6 +272,43 @@ class FeatureCache:
             lease.release(remove_dir=True)
             removed.append(key)
         return removed
+
+    def lost_generations(self, parts: list[PartInfo] | None = None) -> list[PartInfo]:
+        """Committed parts whose commit record names a generation of which no file is left (removed by a
+        writer that lost the part, before generations carried their writer's token): nothing can read
+        them, and only rewriting them repairs the cache."""
+        return [p for p in (self.parts() if parts is None else parts)
+                if p.gen is not None and not self.storage.list_dir(p.data_key)]
+
+    def reopen_lost_parts(self, timeout_s: float = LEASE_TIMEOUT_S) -> list[str]:
+        """Make every part of :meth:`lost_generations` uncommitted again, so that the extraction writes it
+        anew: under the part's lease (no other writer can commit it meanwhile) its commit record is
+        checked again and removed, with the logged reason. Returns the keys reopened; a part whose lease a
+        live process holds is left to it."""
+        reopened = []
+        for part in self.lost_generations():
+            try:
+                lease = acquire_committed(self.storage, part.key, timeout_s)
+            except LeaseHeldError:
+                continue
+            try:
+                try:
+                    raw = self.storage.get(f"{part.key}/{COMMIT}")
+                except FileNotFoundError:
+                    continue
+                now = PartInfo.from_record(raw, part.key)
+                if now.gen != part.gen or self.storage.list_dir(now.data_key):
+                    continue  # (rewritten meanwhile)
+                log.warning("part %s: its commit record names generation %s, of which no file is left (removed by "
+                            "a writer that lost the part); the record is removed and the part written again",
+                            part.key, part.gen.dir)  # type: ignore[union-attr]
+                self.storage.remove(f"{part.key}/{COMMIT}")
+                with contextlib.suppress(FileNotFoundError):
+                    self.storage.remove(seal_key(part.key, part.gen))  # type: ignore[arg-type]
+                reopened.append(part.key)
+            finally:
+                lease.release()
+        return reopened
 
     # -- index and reads --------------------------------------------------------------------------
 

@@ -3,13 +3,16 @@
 - the head (``head.safetensors``) against the checksum in the root metadata, and its shapes;
 - every committed part against its commit record (arrays, counts, offsets, checksums, finiteness);
 - the work units of the extraction: every part a unit's records name is committed and the unit
-  holds the samples its records count; an uncommitted part of a unit whose writer is gone means
-  the unit is incomplete (extraction was interrupted, or a commit record was lost);
+  holds the samples its records count. A unit that lacks a part (an uncommitted part of a unit whose
+  writer is gone, or no part at all) is *unfinished* while the extraction has not finished -- resumable,
+  not damage -- and a lost commit record once it has;
+- the extraction's state (:mod:`dflash_cache.extraction`): "extraction not finished: N of M units";
 - the extraction's final report (``meta/extract_report.json``) against the committed samples;
 - no sample id in two places.
 
 Every problem is collected (one line per part, however many checks it fails); nothing stops at the
-first.
+first. Problems are damage (``dflash-cache verify`` exits 2); an unfinished extraction without damage
+exits 3.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CacheCorruptError
+from .extraction import FINISH, REPORT, ExtractionState, extraction_state
 from .fence import commit_sealed, garbage_of_committed, seal_gen, seal_key
 from .head import HEAD_KEY, decode_head
 from .lease import live_holder
@@ -33,7 +37,7 @@ from .store import FeatureCache, open_cache
 
 log = logging.getLogger(__name__)
 
-EXTRACT_REPORT = "meta/extract_report.json"
+EXTRACT_REPORT = REPORT
 _RERUN = "rerun dflash-extract with the same config and --out: it rewrites missing parts and keeps the others"
 _REWRITE = "delete the part's directory and rerun dflash-extract with the same config and --out to rewrite it"
 
@@ -61,6 +65,14 @@ class VerifyReport:
     stray: list[str] = field(default_factory=list)  # files where only part directories belong
     unknown: list[str] = field(default_factory=list)  # entries in committed parts that their record does not name
     sealed: list[str] = field(default_factory=list)  # uncommitted parts whose writer sealed a generation, then stopped
+    extraction: ExtractionState | None = None  # the extraction's plan and progress (dflash_cache.extraction)
+    unfinished: list[str] = field(default_factory=list)  # units not complete yet (resumable: no damage), one line each
+
+    @property
+    def finished(self) -> bool:
+        """Nothing is left to extract: the extraction finished (or the cache was not written by one) and no
+        unit lacks a part."""
+        return not self.unfinished and not (self.extraction is not None and self.extraction.unfinished)
 
     @property
     def ok(self) -> bool:
@@ -80,6 +92,10 @@ class VerifyReport:
         else:  # the counts are of the parts that passed
             s = (f"{self.n_parts} parts checked: {len(self.problems)} problem(s); the parts that pass hold "
                  f"{self.n_samples} samples, {self.n_tokens} tokens")
+        if self.extraction is not None and (self.extraction.status != "none" or self.unfinished):
+            s += f"; {self.extraction.describe()}"
+        if self.unfinished:
+            s += f" ({len(self.unfinished)} unit(s) started and not complete: resumable, {FINISH})"
         if self.being_written:
             s += f"; {len(self.being_written)} part(s) being written by a live extraction"
         listed = {p.part for p in self.problems}
@@ -98,7 +114,7 @@ class VerifyReport:
 
     def leftovers(self) -> list[str]:
         """One line per entry that readers ignore (what it is, and whether ``dflash-cache gc`` removes it)."""
-        lines = []
+        lines = list(self.unfinished)
         for key in self.sealed:
             lines.append(f"{key}: uncommitted, but its writer sealed a generation for its commit and stopped before "
                          "the commit record; `dflash-cache gc` (or rerunning the extraction) commits it if it "
@@ -193,7 +209,17 @@ def _leftover_unit(storage: Storage, key: str) -> int | None:
 
 def _check_units(cache: FeatureCache, parts: list[PartInfo], report: VerifyReport) -> None:
     """Each unit's committed parts against the unit's own records (``unit_parts``, ``unit_buckets``,
-    ``unit_stats``), and uncommitted parts of units whose writer is gone."""
+    ``unit_stats``), and uncommitted parts of units whose writer is gone. A unit that lacks parts is
+    *unfinished* (resumable: the rerun writes what is missing) while the extraction has not finished, and
+    damage (a lost commit record) once it has."""
+    finished = report.extraction is not None and report.extraction.status == "finished"
+
+    def incomplete(key: str, array: str, msg: str) -> None:
+        if finished:
+            report.add(key, array, f"{msg}; {_RERUN}")
+        else:
+            report.unfinished.append(f"{key}: {msg} (the extraction has not finished: {FINISH})")
+
     units: dict[int, list[PartInfo]] = defaultdict(list)
     for p in parts:
         if "unit" in p.meta:
@@ -205,13 +231,13 @@ def _check_units(cache: FeatureCache, parts: list[PartInfo], report: VerifyRepor
             have = {p.bucket for p in mine}
             missing = [b for b in meta.get("unit_buckets", []) if b not in have]
             msg = (f"work unit {u} is incomplete: {len(mine)} of its {want_parts} parts are committed and this "
-                   f"one has no commit record; {_RERUN}")
+                   "one has no commit record")
             listed = {p.part for p in report.problems}
             for b in missing:
                 if part_key(b, mine[0].name) not in listed:  # (an unreadable record is reported already)
-                    report.add(part_key(b, mine[0].name), COMMIT, msg)
+                    incomplete(part_key(b, mine[0].name), COMMIT, msg)
             if not missing:
-                report.add(mine[0].key, "meta", msg.replace("this one", "another (bucket unknown)"))
+                incomplete(mine[0].key, "meta", msg.replace("this one", "another (bucket unknown)"))
             continue
         want = (meta.get("unit_stats") or {}).get("n_samples")
         got = sum(p.n_samples + int(p.meta.get("n_nonfinite", 0)) for p in mine)
@@ -224,9 +250,9 @@ def _check_units(cache: FeatureCache, parts: list[PartInfo], report: VerifyRepor
             report.being_written.append(key)
             continue
         u = _leftover_unit(cache.storage, key)
-        if u is not None and key not in {p.part for p in report.problems}:
-            report.add(key, COMMIT, f"work unit {u} is incomplete: this part has no commit record and no live "
-                       f"writer (the extraction stopped before committing it, or the record was lost); {_RERUN}")
+        if u is not None and key not in {p.part for p in report.problems} | {ln.split(":")[0] for ln in report.unfinished}:
+            incomplete(key, COMMIT, f"work unit {u} is incomplete: this part has no commit record and no live "
+                       "writer (the extraction stopped before committing it, or the record was lost)")
 
 
 def _check_extract_report(cache: FeatureCache, parts: list[PartInfo], report: VerifyReport) -> None:
@@ -294,6 +320,7 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
         report.n_samples += part.n_samples
         report.n_tokens += part.n_tokens
         _check_duplicates(report, seen, small["sample_ids"], part.key)
+    report.extraction = extraction_state(cache.storage, parts)
     _check_units(cache, parts, report)
     if not any(p.part is not None for p in report.problems):  # (else those problems explain a shortfall)
         _check_extract_report(cache, parts, report)
