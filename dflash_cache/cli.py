@@ -8,8 +8,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dflash_cache.errors import UsageError
 from dflash_cache.extraction import FINISH
-from dflash_cache.lease import LEASE_TIMEOUT_S
+from dflash_cache.lease import HEARTBEAT_S, LEASE_TIMEOUT_MIN_S, LEASE_TIMEOUT_S
 from dflash_cache.runtime.entry import run_cli
 
 UNFINISHED_EXIT = 3  # verify: no damage, but the extraction has not finished (2: damage)
@@ -105,6 +106,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     from dflash_cache.store import open_cache
 
+    if args.min_age < LEASE_TIMEOUT_MIN_S:
+        raise UsageError(f"--min-age {args.min_age:g} is below {LEASE_TIMEOUT_MIN_S:.0f} s: writers refresh their "
+                         f"leases every {HEARTBEAT_S:.0f} s, so gc would take parts from live writers whose heartbeat "
+                         f"is merely late; use at least {LEASE_TIMEOUT_MIN_S:.0f}, or `dflash-cache release CACHE "
+                         "--host NAME` for a host known dead")
     removed = open_cache(args.cache).gc(min_age_s=args.min_age, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} {len(removed)} uncommitted part(s)" + "".join(f"\n  {k}" for k in removed))
@@ -153,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.add_argument("--min-age", type=float, default=LEASE_TIMEOUT_S,
                     help="leftovers of writers on other hosts count as abandoned when their lease heartbeat is older "
-                         "than this many seconds (writers on this host: when their process is gone)")
+                         "than this many seconds, at least 90 (3 heartbeats; writers on this host: when their process "
+                         "is gone)")
     gc.set_defaults(fn=_cmd_gc)
     rel = add("release")
     rel.add_argument("--host", required=True, help="the host name in the lease records (dflash-cache info lists "

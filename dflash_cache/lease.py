@@ -54,6 +54,8 @@ HEARTBEAT_S = 30.0  # how often a holder refreshes its leases
 LEASE_TIMEOUT_HEARTBEATS = 20  # extract.lease_timeout_s unset: this many missed heartbeats
 LEASE_TIMEOUT_S = LEASE_TIMEOUT_HEARTBEATS * HEARTBEAT_S  # a lease from another host without a heartbeat for
 # this long is stale (600 s)
+LEASE_TIMEOUT_MIN_S = 3 * HEARTBEAT_S  # the shortest timeout the commands accept (extract.lease_timeout_s,
+# gc --min-age): one late heartbeat must not hand a live writer's part to another process
 RELEASED_HOSTS = "meta/released_hosts"  # <host>.json: that host's leases up to then are declared dead
 _PREFIX = "lease"
 

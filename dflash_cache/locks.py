@@ -305,6 +305,7 @@ class GenerationLock:
         self.storage, self.directory, self.gen, self.keeper = storage, directory, gen, keeper
         self.token = secrets.token_hex(8)
         self.acquired_unix = time.time()
+        self.last_beat_unix = self.acquired_unix  # when this process last wrote its record (created or refreshed)
         self._mutex = threading.Lock()
         self._released = False
 
@@ -342,6 +343,7 @@ class GenerationLock:
                 mine = False
             if mine:
                 self.storage.put(self.file, self.record())
+                self.last_beat_unix = time.time()
 
     def release(self, remove_dir: bool = False) -> None:
         """Give the lock up: remove this generation's file and older ones; with ``remove_dir`` also the

@@ -46,7 +46,8 @@ from .codecs import (
 )
 from .errors import CacheError, DataError
 from .fence import remove_garbage_of_committed, seal_for_commit, seal_key
-from .lease import LEASE_TIMEOUT_S, LeaseLostError, PartCommittedError, PartLease, acquire
+from .lease import HEARTBEAT_S, LeaseLostError, PartCommittedError, PartLease, acquire, released_at
+from .locks import host_name
 from .parts import COMMIT, PART_GROUP, PartInfo, check_part_name, part_key
 from .runtime.switches import env_switch
 
@@ -165,7 +166,12 @@ class PartWriter:
 
     def _start(self) -> None:
         st = self.cache.storage
-        self._lease.clear_leftovers()  # of a dead earlier writer; raises when the part is committed
+        try:
+            self._lease.clear_leftovers()  # of a dead earlier writer; raises when the part is committed
+        except PartCommittedError:
+            if not self._lease.held():  # taken over and committed by another process while this one stalled
+                raise self._lost() from None
+            raise
         self._store = st.zarr_store(self.data_key)
         zarr.create_group(self._store, attributes={"bucket": self.bucket, "name": self.name, "meta": self.meta})
         d, n = self.cache.spec.feature_dim, self.cache.spec.feature_slots
@@ -285,11 +291,24 @@ class PartWriter:
         if not sealed:
             with contextlib.suppress(OSError):
                 st.remove_entry(self.data_key)  # this generation's files: nobody else's
+        why = self._why_lost()
         self._lease.release()
-        return LeaseLostError(f"part {self.key} was taken over by another process while this one wrote it (no "
-                              f"heartbeat for {LEASE_TIMEOUT_S:.0f} s: was this process stopped, or its host "
-                              "frozen?); this copy is dropped and the other writer's stands. Rerun the job to "
-                              "write what is still missing")
+        return LeaseLostError(f"part {self.key} was taken over by another process while this one wrote it ({why}); "
+                              "this copy is dropped and the other writer's stands. Rerun the job to write what is "
+                              "still missing")
+
+    def _why_lost(self) -> str:
+        """The figures behind a takeover: how old this process's heartbeat was, the timeouts, a release."""
+        now, lease = time.time(), self._lease
+        why = (f"this process's last lease heartbeat was {max(0.0, now - lease.last_beat_unix):.0f} s ago; it writes "
+               f"one every {HEARTBEAT_S:.0f} s, and a part is taken over once its heartbeat is older than the taker's "
+               f"extract.lease_timeout_s or gc --min-age ({lease.timeout_s:.0f} s in this process)")
+        with contextlib.suppress(OSError):
+            released = released_at(self.cache.storage, host_name())
+            if released is not None and released > lease.last_beat_unix:
+                why += (f"; `dflash-cache release --host {host_name()}` declared this host's leases dead "
+                        f"{max(0.0, now - released):.0f} s ago")
+        return why + ": was this process stopped, or its host frozen?"
 
     def _push_features(self, sid: int, features: torch.Tensor) -> None:
         try:

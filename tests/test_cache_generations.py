@@ -45,13 +45,17 @@ def _start_late_writer(cache_dir: Path, go: Path) -> tuple[subprocess.Popen, str
     return proc, first[1]
 
 
-def _gc_until_the_part_is_gone(cache_dir: Path, *extra: str) -> None:
+def _gc_until_the_part_is_gone(cache_dir: Path, min_age_s: float | None = None) -> None:
+    """``dflash-cache gc`` (or, with ``min_age_s`` below what the command accepts, the same library call)."""
     deadline = time.monotonic() + DEADLINE_S
     while (cache_dir / KEY).exists():
-        assert cli_main(["gc", str(cache_dir), *extra]) == 0
+        if min_age_s is None:
+            assert cli_main(["gc", str(cache_dir)]) == 0
+        else:
+            open_cache(str(cache_dir)).gc(min_age_s=min_age_s)
         assert time.monotonic() < deadline, "gc never removed the frozen writer's part"
         if (cache_dir / KEY).exists():
-            time.sleep(0.05)  # (a poll interval: the frozen writer's heartbeat ages past --min-age)
+            time.sleep(0.05)  # (a poll interval: the frozen writer's heartbeat ages past min_age_s)
 
 
 def _rewrite_then_resume(cache_dir: Path, proc: subprocess.Popen, go: Path, late_dir: str) -> tuple[dict, str]:
@@ -97,11 +101,16 @@ def test_freeze_timeout_gc_rerun_resume_leaves_the_new_owners_part_untouched(cac
     go = tmp_path / "go"
     proc, late_dir = _start_late_writer(cache_dir, go)
     try:
-        _gc_until_the_part_is_gone(cache_dir, "--min-age", "0.5")  # its lease times out; gc removes the part
+        frozen_at = time.time()
+        _gc_until_the_part_is_gone(cache_dir, min_age_s=0.5)  # its lease times out; gc removes the part
         committed, err = _rewrite_then_resume(cache_dir, proc, go, late_dir)
+        frozen_s = time.time() - frozen_at
     finally:
         _cleanup(proc)
     _assert_untouched(cache_dir, committed, proc, err)
+    # the real figures: how old its heartbeat was (not a fixed 600 s), and its own timeout
+    age = int(re.search(r"this process's last lease heartbeat was (\d+) s ago", err)[1])
+    assert 0 <= age <= frozen_s + 5 and "every 30 s" in err and "(600 s in this process)" in err, err
 
 
 def test_release_gc_rerun_resume_leaves_the_new_owners_part_untouched(cache_dir, tmp_path, capsys):
@@ -115,6 +124,7 @@ def test_release_gc_rerun_resume_leaves_the_new_owners_part_untouched(cache_dir,
     finally:
         _cleanup(proc)
     _assert_untouched(cache_dir, committed, proc, err)
+    assert re.search(r"`dflash-cache release --host host-a` declared this host's leases dead \d+ s ago", err), err
 
 
 def test_a_part_written_with_a_counter_generation_still_reads(cache_dir, capsys):
@@ -155,3 +165,33 @@ def test_new_generations_are_unique_per_writer_and_numbered_above_what_is_left(c
     w2 = cache.part_writer(1, "p")
     assert w2.generation.token != w.generation.token
     w2.abort()
+
+
+def test_a_late_writer_whose_part_was_committed_meanwhile_says_taken_over(cache_dir, monkeypatch):
+    """A writer that took the lease, then stalled before it opened the part, while another process took the
+    part over and committed it: "taken over" (one line), not "already committed"."""
+    from dflash_cache import lease as lease_mod
+    from dflash_cache.lease import LeaseLostError, acquire
+
+    cache = open_cache(str(cache_dir))
+    stalled = acquire(cache.storage, "buckets/1/late")
+    lease_mod._keeper.drop(stalled)  # its lease looks dead from here on
+    with cache.part_writer(1, "late") as w:
+        _fill(w, 9000, 3)
+    committed = _files(cache_dir, "buckets/1/late")
+    with pytest.raises(LeaseLostError, match="was taken over by another process while this one wrote it"):
+        cache.part_writer(1, "late", lease=stalled)
+    assert _files(cache_dir, "buckets/1/late") == committed and verify_cache(str(cache_dir)).ok
+
+
+def test_timeouts_below_three_heartbeats_are_refused(cache_dir, capsys):
+    from dflash_cache.errors import ConfigError
+    from dflash_cache.runtime.config import load_config
+
+    assert cli_main(["gc", str(cache_dir), "--min-age", "40"]) == 2
+    err = capsys.readouterr().err
+    assert "--min-age 40 is below 90 s" in err and "every 30 s" in err and len(err.strip().splitlines()) == 1
+    assert cli_main(["gc", str(cache_dir), "--min-age", "90"]) == 0
+    with pytest.raises(ConfigError, match=r"extract\.lease_timeout_s.*below 90 s"):
+        load_config(ROOT / "configs" / "tiny.toml", ["extract.lease_timeout_s=40"])
+    assert load_config(ROOT / "configs" / "tiny.toml", ["extract.lease_timeout_s=90"]).extract.lease_timeout_s == 90
