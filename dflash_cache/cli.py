@@ -92,8 +92,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     for line in report.leftovers():
         print(f"  {line}")
     if report.ok and not report.finished:  # no damage, but not all there: resumable, not corrupt
-        print(f"error: {args.cache}: {report.extraction.describe() if report.extraction else 'not finished'}; "
-              f"no damage found; {FINISH.replace('CACHE', args.cache)}", file=sys.stderr)
+        what = (report.extraction.describe() if report.extraction is not None and report.extraction.unfinished
+                else f"{len(report.unfinished)} work unit(s) started and not complete")
+        print(f"error: {args.cache}: {what}; no damage found; {FINISH.replace('CACHE', args.cache)}", file=sys.stderr)
         return UNFINISHED_EXIT
     if report.ok:
         return 0
