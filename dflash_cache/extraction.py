@@ -25,7 +25,7 @@ holds no damage (2 is damage), and ``dflash-train`` refuses an unfinished cache 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -105,8 +105,10 @@ def _read_json(storage: Storage, key: str) -> dict | None:
     return rec if isinstance(rec, dict) else {}
 
 
-def extraction_state(storage: Storage, parts: Iterable[PartInfo]) -> ExtractionState:
-    """The state of the extraction writing the cache in ``storage``, whose committed parts are ``parts``."""
+def extraction_state(storage: Storage, parts: Iterable[PartInfo] | Callable[[], Iterable[PartInfo]]
+                     ) -> ExtractionState:
+    """The state of the extraction writing the cache in ``storage``, whose committed parts are ``parts`` (or
+    what calling it returns: only an unfinished extraction needs them)."""
     plan = _read_json(storage, PLAN)
     total = None
     if plan is not None:
@@ -118,7 +120,7 @@ def extraction_state(storage: Storage, parts: Iterable[PartInfo]) -> ExtractionS
         return ExtractionState("finished", total, total if total is not None else 0)
     if plan is None and not storage.exists(CONFIG):
         return ExtractionState("none", None, 0)
-    done = complete_units(parts) | empty_units(storage)
+    done = complete_units(parts() if callable(parts) else parts) | empty_units(storage)
     if total is not None:
         done = {u for u in done if u < total}
     return ExtractionState("unfinished", total, len(done))

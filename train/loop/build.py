@@ -191,7 +191,8 @@ def refuse_unfinished(cache: Any, allow: bool) -> Any:
     from dflash_cache.errors import CacheError
     from dflash_cache.extraction import FINISH, extraction_state
 
-    state = extraction_state(cache.storage, cache.scan_parts()[0])  # (unreadable records: the loader's business)
+    # (parts scanned only when unfinished; unreadable records are for loader.on_corrupt to judge)
+    state = extraction_state(cache.storage, lambda: cache.scan_parts()[0])
     if not state.unfinished:
         return cache
     finish = FINISH.replace("CACHE", cache.url)
