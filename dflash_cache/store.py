@@ -277,8 +277,15 @@ class FeatureCache:
         """Committed parts whose commit record names a generation of which no file is left (removed by a
         writer that lost the part, before generations carried their writer's token): nothing can read
         them, and only rewriting them repairs the cache."""
-        return [p for p in (self.parts() if parts is None else parts)
-                if p.gen is not None and not self.storage.list_dir(p.data_key)]
+        named = [p for p in (self.parts() if parts is None else parts) if p.gen is not None]
+
+        def lost(p: PartInfo) -> bool:
+            return not self.storage.list_dir(p.data_key)
+
+        if self.storage.is_local or len(named) <= 1:
+            return [p for p in named if lost(p)]
+        with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="dflash-scan") as pool:  # (latency-bound)
+            return [p for p, gone in zip(named, pool.map(lost, named), strict=True) if gone]
 
     def reopen_lost_parts(self, timeout_s: float = LEASE_TIMEOUT_S) -> list[str]:
         """Make every part of :meth:`lost_generations` uncommitted again, so that the extraction writes it
