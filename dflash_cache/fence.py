@@ -7,7 +7,7 @@ generation that readers open, so the files of any other generation -- a writer t
 lease and then resumed, on any host -- are garbage that nothing reads and that ``gc`` removes.
 
 Removing another generation's files races only with that generation committing. Both sides claim
-the generation's *seal* ``<part>/g<gen>.seal`` with an exclusive create first: the writer seals
+the generation's *seal* ``<part>/g<number>-<token>.seal`` with an exclusive create first: the writer seals
 ``commit`` just before it creates the commit record, a remover seals ``dead`` before it deletes.
 Whoever is first wins; the loser backs off (the writer drops its copy with a clear error, the
 remover leaves the directory alone). Once a part has a commit record nobody else can commit it, so

@@ -10,7 +10,10 @@ part it reads the newest lease; when there is none, or its holder is gone, it cr
 ``gen + 1`` with :meth:`Storage.create_exclusive` (a hard link on local filesystems, a conditional
 put on object stores). Of several contenders exactly one creates a generation, so two processes
 never hold one part, and nothing is removed under a part except by its holder (and never once the
-part has a commit record: the commit record is created exclusively too).
+part has a commit record: the commit record is created exclusively too). ``gen`` is one above every
+number left in the part (lease files, generation directories, seals). Once ``gc`` removed a part's
+directory numbering starts again, so a generation's identity is its number *and* its writer's lease
+token (:class:`~dflash_cache.parts.Generation`); a lease that was taken over removes no lease file.
 
 A holder is live when
 

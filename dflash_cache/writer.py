@@ -4,7 +4,7 @@ Ownership: a writer holds the part's lease (:mod:`dflash_cache.lease`) from star
 other process writes, clears or commits the same part meanwhile; the leftover of a dead writer is
 cleared by the next holder, and a part with a commit record is never touched again.
 
-Fencing: the writer writes only under its lease generation's directory ``<part>/g<gen>/`` and the
+Fencing: the writer writes only under its generation's directory ``<part>/g<number>-<token>/`` and the
 commit record names that generation, so a writer that lost its lease (frozen past the lease
 timeout, then resumed) writes only garbage that nothing reads (:mod:`dflash_cache.fence`).
 
