@@ -24,7 +24,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -50,9 +50,22 @@ from .lease import HEARTBEAT_S, LeaseLostError, PartCommittedError, PartLease, a
 from .locks import host_name
 from .parts import COMMIT, PART_GROUP, PartInfo, check_part_name, part_key
 from .runtime.switches import env_switch
+from .spec import CacheSpec
+from .storage import Storage
 
-if TYPE_CHECKING:
-    from .store import FeatureCache
+
+class CacheLayout(Protocol):
+    """What a part writer needs of its cache (:class:`~dflash_cache.store.FeatureCache` is one; the writer
+    does not import the store, which builds writers)."""
+
+    storage: Storage
+    spec: CacheSpec
+    chunk_tokens: int
+    shard_tokens: int
+
+    def bucket_of(self, length: int) -> int: ...
+
+    def bucket_bounds(self, b: int) -> tuple[int, int]: ...
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +96,7 @@ class _ShardedArray:
     inner chunks, then their index) and put whole, which avoids zarr's per-chunk overhead.
     """
 
-    def __init__(self, cache: FeatureCache, part: str, name: str, width: int, dtype: str,
+    def __init__(self, cache: CacheLayout, part: str, name: str, width: int, dtype: str,
                  params: BloscParams | None, compressors: list, attrs: dict[str, Any]):
         self.storage, self.key = cache.storage, f"{part}/{name}"
         self.chunk, self.shard, self.params = cache.chunk_tokens, cache.shard_tokens, params
@@ -135,7 +148,7 @@ class PartWriter:
     :class:`~dflash_cache.lease.LeaseHeldError` when a live process writes the part).
     """
 
-    def __init__(self, cache: FeatureCache, bucket: int, name: str, meta: dict[str, Any] | None = None,
+    def __init__(self, cache: CacheLayout, bucket: int, name: str, meta: dict[str, Any] | None = None,
                  lease: PartLease | None = None):
         spec = cache.spec
         if not 0 <= bucket < spec.n_buckets:
