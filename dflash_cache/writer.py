@@ -67,6 +67,7 @@ class CacheLayout(Protocol):
 
     def bucket_bounds(self, b: int) -> tuple[int, int]: ...
 
+
 log = logging.getLogger(__name__)
 
 _ZCONFIG = {"write_empty_chunks": True}
