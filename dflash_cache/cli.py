@@ -8,17 +8,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_cache.lease import LEASE_TIMEOUT_S
+from dflash_cache.errors import UsageError
+from dflash_cache.extraction import FINISH
+from dflash_cache.lease import HEARTBEAT_S, LEASE_TIMEOUT_MIN_S, LEASE_TIMEOUT_S
 from dflash_cache.runtime.entry import finite_float, run_cli
+
+UNFINISHED_EXIT = 3  # verify: no damage, but the extraction has not finished (2: damage)
 
 
 def cache_summary(url: str) -> dict[str, Any]:
     """The ``info --json`` document."""
+    from dflash_cache.extraction import extraction_state
     from dflash_cache.store import open_cache
 
     cache = open_cache(url)
     parts = cache.parts()
     n_tokens = sum(p.n_tokens for p in parts)
+    state = extraction_state(cache.storage, parts)
     buckets = []
     for b in range(cache.spec.n_buckets):
         lo, hi = cache.bucket_bounds(b)
@@ -39,6 +45,8 @@ def cache_summary(url: str) -> dict[str, Any]:
         "mask_token_source": cache.spec.mask_token_source,
         "fingerprint": cache.spec.fingerprint,
         "uncommitted_parts": cache.uncommitted(),
+        "extraction": {"status": state.status, "units_total": state.units_total,
+                       "units_complete": state.units_complete, "summary": state.describe()},
     }
 
 
@@ -62,6 +70,8 @@ def _print_info(info: dict[str, Any]) -> None:
         print(f"  bucket ({b['lo']}, {b['hi']}]: {b['n_samples']} samples, {b['n_tokens']} tokens")
     left = info["uncommitted_parts"]
     print(f"uncommitted  {len(left)}" + (f": {', '.join(left)}" if left else ""))
+    x = info["extraction"]
+    print(f"extraction   {x['summary']}" + (f"; {FINISH}" if x["status"] == "unfinished" else ""))
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -81,6 +91,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     print(report.summary())
     for line in report.leftovers():
         print(f"  {line}")
+    if report.ok and not report.finished:  # no damage, but not all there: resumable, not corrupt
+        what = (report.extraction.describe() if report.extraction is not None and report.extraction.unfinished
+                else f"{len(report.unfinished)} work unit(s) started and not complete")
+        print(f"error: {args.cache}: {what}; no damage found; {FINISH.replace('CACHE', args.cache)}", file=sys.stderr)
+        return UNFINISHED_EXIT
     if report.ok:
         return 0
     print(f"error: {args.cache}: verify found {len(report.problems)} problem(s), one line per part:", file=sys.stderr)
@@ -92,6 +107,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     from dflash_cache.store import open_cache
 
+    if args.min_age < LEASE_TIMEOUT_MIN_S:
+        raise UsageError(f"--min-age {args.min_age:g} is below {LEASE_TIMEOUT_MIN_S:.0f} s: writers refresh their "
+                         f"leases every {HEARTBEAT_S:.0f} s, so gc would take parts from live writers whose heartbeat "
+                         f"is merely late; use at least {LEASE_TIMEOUT_MIN_S:.0f}, or `dflash-cache release CACHE "
+                         "--host NAME` for a host known dead")
     removed = open_cache(args.cache).gc(min_age_s=args.min_age, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} {len(removed)} uncommitted part(s)" + "".join(f"\n  {k}" for k in removed))
@@ -115,7 +135,7 @@ _SUBCOMMANDS = {
             "codec, teacher, layers, fingerprint, and uncommitted leftovers.",
     "verify": "Re-read the frozen head and every committed part (checksums, shapes, offsets, id uniqueness, "
               "finiteness) and check that every work unit is complete; list every bad part and exit 2 on any "
-              "fault.",
+              "fault; exit 3 when nothing is damaged but the extraction has not finished (N of M units).",
     "gc": "Remove the uncommitted leftovers of writers that are gone.",
     "release": "Declare a dead host's part leases dead now, so that running or rerun jobs take its parts over at "
                "once instead of after extract.lease_timeout_s; refused while that host's heartbeat is fresh.",
@@ -140,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.add_argument("--min-age", type=finite_float, default=LEASE_TIMEOUT_S,
                     help="leftovers of writers on other hosts count as abandoned when their lease heartbeat is older "
-                         "than this many seconds (writers on this host: when their process is gone)")
+                         "than this many seconds, at least 90 (3 heartbeats; writers on this host: when their process "
+                         "is gone)")
     gc.set_defaults(fn=_cmd_gc)
     rel = add("release")
     rel.add_argument("--host", required=True, help="the host name in the lease records (dflash-cache info lists "

@@ -1,12 +1,13 @@
 """Fencing: a writer that lost its part can write nothing that the part's owner or a reader uses.
 
-Each writer writes only under its own generation's directory ``<part>/g<gen>/`` (``gen``: its lease
-generation, unique per part). The commit record names the generation that readers open, so the
-files of any other generation -- a writer that was frozen past its lease and then resumed, on any
-host -- are garbage that nothing reads and that ``gc`` removes.
+Each writer writes only under its own generation's directory ``<part>/g<number>-<token>/`` (its lease
+number and its lease token: :class:`~dflash_cache.parts.Generation`, never reused for a part, not after
+``gc`` removed the part's directory and lease numbers start again). The commit record names the
+generation that readers open, so the files of any other generation -- a writer that was frozen past its
+lease and then resumed, on any host -- are garbage that nothing reads and that ``gc`` removes.
 
 Removing another generation's files races only with that generation committing. Both sides claim
-the generation's *seal* ``<part>/g<gen>.seal`` with an exclusive create first: the writer seals
+the generation's *seal* ``<part>/g<number>-<token>.seal`` with an exclusive create first: the writer seals
 ``commit`` just before it creates the commit record, a remover seals ``dead`` before it deletes.
 Whoever is first wins; the loser backs off (the writer drops its copy with a clear error, the
 remover leaves the directory alone). Once a part has a commit record nobody else can commit it, so
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from .parts import COMMIT, gen_dir, gen_of
+from .parts import COMMIT, Generation, gen_of
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,12 @@ SEAL_DEAD = b"dead"
 _SEAL_SUFFIX = ".seal"
 
 
-def seal_key(key: str, gen: int) -> str:
-    return f"{key}/{gen_dir(gen)}{_SEAL_SUFFIX}"
+def seal_key(key: str, gen: Generation) -> str:
+    return f"{key}/{gen.dir}{_SEAL_SUFFIX}"
 
 
-def seal_gen(name: str) -> int | None:
-    """The generation of a seal file name (``g000003.seal`` -> 3), else None."""
+def seal_gen(name: str) -> Generation | None:
+    """The generation of a seal file name (``g000003-<token>.seal``), else None."""
     return gen_of(name[: -len(_SEAL_SUFFIX)]) if name.endswith(_SEAL_SUFFIX) else None
 
 
@@ -56,7 +57,7 @@ def sealed_record(raw: bytes) -> bytes | None:
     return raw[len(SEAL_COMMIT) + 1:] if raw.startswith(SEAL_COMMIT + b"\n") else None
 
 
-def seal_for_commit(storage: Storage, key: str, gen: int, record: bytes = b"") -> bool:
+def seal_for_commit(storage: Storage, key: str, gen: Generation, record: bytes = b"") -> bool:
     """Claim generation ``gen`` of part ``key`` for a commit with ``record``. False: a remover declared
     it dead first."""
     if storage.create_exclusive(seal_key(key, gen), commit_seal(record), durable=True):
@@ -67,7 +68,7 @@ def seal_for_commit(storage: Storage, key: str, gen: int, record: bytes = b"") -
         return False
 
 
-def commit_sealed(storage: Storage, key: str) -> list[int]:
+def commit_sealed(storage: Storage, key: str) -> list[Generation]:
     """Generations of part ``key`` sealed for a commit (whether or not they were committed)."""
     out = []
     for name in storage.list_dir(key):
@@ -79,10 +80,10 @@ def commit_sealed(storage: Storage, key: str) -> list[int]:
                 out.append(g)
         except FileNotFoundError:
             continue
-    return sorted(out)
+    return sorted(out, key=lambda g: (g.number, g.token))
 
 
-def discard_generation(storage: Storage, key: str, gen: int) -> bool:
+def discard_generation(storage: Storage, key: str, gen: Generation) -> bool:
     """Remove the files of generation ``gen`` of an uncommitted part unless its writer sealed it for a
     commit. True when removed (or already gone)."""
     if not storage.create_exclusive(seal_key(key, gen), SEAL_DEAD):
@@ -91,11 +92,11 @@ def discard_generation(storage: Storage, key: str, gen: int) -> bool:
                 return False  # its writer is committing it (or died between its seal and its commit record)
         except FileNotFoundError:
             return False
-    storage.remove_entry(f"{key}/{gen_dir(gen)}")
+    storage.remove_entry(f"{key}/{gen.dir}")
     return True
 
 
-def garbage_of_committed(storage: Storage, key: str, committed_gen: int | None) -> list[str]:
+def garbage_of_committed(storage: Storage, key: str, committed_gen: Generation | None) -> list[str]:
     """Names in a committed part's directory that no reader uses: other generations' directories and
     seals (late writers), lease files. Only valid once ``key`` has a commit record."""
     out = []
@@ -108,7 +109,7 @@ def garbage_of_committed(storage: Storage, key: str, committed_gen: int | None) 
     return out
 
 
-def remove_garbage_of_committed(storage: Storage, key: str, committed_gen: int | None) -> list[str]:
+def remove_garbage_of_committed(storage: Storage, key: str, committed_gen: Generation | None) -> list[str]:
     """Remove :func:`garbage_of_committed`; returns the keys removed."""
     if not storage.exists(f"{key}/{COMMIT}"):
         return []
@@ -127,7 +128,7 @@ def remove_dead_seals(storage: Storage, key: str) -> None:
     names = set(storage.list_dir(key))
     for name in names:
         g = seal_gen(name)
-        if g is None or gen_dir(g) in names:
+        if g is None or g.dir in names:
             continue
         try:
             if storage.get(f"{key}/{name}") == SEAL_DEAD:

@@ -10,7 +10,10 @@ part it reads the newest lease; when there is none, or its holder is gone, it cr
 ``gen + 1`` with :meth:`Storage.create_exclusive` (a hard link on local filesystems, a conditional
 put on object stores). Of several contenders exactly one creates a generation, so two processes
 never hold one part, and nothing is removed under a part except by its holder (and never once the
-part has a commit record: the commit record is created exclusively too).
+part has a commit record: the commit record is created exclusively too). ``gen`` is one above every
+number left in the part (lease files, generation directories, seals). Once ``gc`` removed a part's
+directory numbering starts again, so a generation's identity is its number *and* its writer's lease
+token (:class:`~dflash_cache.parts.Generation`); a lease that was taken over removes no lease file.
 
 A holder is live when
 
@@ -43,8 +46,9 @@ from dataclasses import dataclass
 
 from . import locks
 from .errors import CacheError
+from .fence import discard_generation, seal_gen
 from .locks import Contended, GenerationLock, HolderRecord, Keeper, generation_of, host_name
-from .parts import COMMIT, gen_of
+from .parts import COMMIT, Generation, gen_of
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,8 @@ HEARTBEAT_S = 30.0  # how often a holder refreshes its leases
 LEASE_TIMEOUT_HEARTBEATS = 20  # extract.lease_timeout_s unset: this many missed heartbeats
 LEASE_TIMEOUT_S = LEASE_TIMEOUT_HEARTBEATS * HEARTBEAT_S  # a lease from another host without a heartbeat for
 # this long is stale (600 s)
+LEASE_TIMEOUT_MIN_S = 3 * HEARTBEAT_S  # the shortest timeout the commands accept (extract.lease_timeout_s,
+# gc --min-age): one late heartbeat must not hand a live writer's part to another process
 RELEASED_HOSTS = "meta/released_hosts"  # <host>.json: that host's leases up to then are declared dead
 _PREFIX = "lease"
 
@@ -177,9 +183,15 @@ class PartLease(GenerationLock):
 
     prefix = _PREFIX
 
-    def __init__(self, storage: Storage, key: str, gen: int):
+    def __init__(self, storage: Storage, key: str, gen: int, timeout_s: float = LEASE_TIMEOUT_S):
         super().__init__(storage, key, gen, _keeper)
         self.key = key
+        self.timeout_s = timeout_s  # the staleness rule this process applied when it took the part
+
+    @property
+    def generation(self) -> Generation:
+        """The generation this lease writes (its data directory and seal carry this lease's token)."""
+        return Generation(self.gen, self.token)
 
     def holder(self) -> HolderRecord:
         return Holder.mine(gen=self.gen, token=self.token)
@@ -192,17 +204,28 @@ class PartLease(GenerationLock):
         """Remove what earlier (dead) writers left in the part: their generations' directories (fenced:
         see :mod:`dflash_cache.fence`) and files of the older single-directory layout. Never runs on a
         committed part; never touches this or a newer generation, lease files or seals."""
-        from .fence import discard_generation, seal_gen
-
         if self.storage.exists(f"{self.key}/{COMMIT}"):
             raise PartCommittedError(f"part {self.key} is already committed; a part is written once")
+        mine = self.generation
         for name in self.storage.list_dir(self.key):
             g = gen_of(name)
             if g is not None:
-                if g < self.gen:
+                if g.superseded_by(mine):
                     discard_generation(self.storage, self.key, g)
             elif not (is_lease_file(name) or seal_gen(name) is not None or name in ("zarr.json", COMMIT)):
                 self.storage.remove_entry(f"{self.key}/{name}")
+
+
+def _newest_number(storage: Storage, key: str) -> tuple[int, Holder | None]:
+    """``(number, holder)``: the holder of the newest lease file, and the highest number of any lease file,
+    generation directory or seal in the part, so that the next lease is numbered above every generation
+    left in it (their order then tells a leftover from a newer holder's generation)."""
+    gen, holder = newest(storage, key)
+    for name in storage.list_dir(key):
+        g = gen_of(name) or seal_gen(name)
+        if g is not None:
+            gen = max(gen, g.number)
+    return gen, holder
 
 
 def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> PartLease:
@@ -213,7 +236,8 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
             raise PartCommittedError(f"part {key} is already committed; a part is written once")
 
     try:
-        lease, holder = locks.take_generation(lambda gen: PartLease(storage, key, gen), lambda: newest(storage, key),
+        lease, holder = locks.take_generation(lambda gen: PartLease(storage, key, gen, timeout_s),
+                                              lambda: _newest_number(storage, key),
                                               lambda h: _live(storage, h, timeout_s), not_committed)
     except Contended as err:
         if err.holder is not None:  # a live holder, or other writers kept taking (and giving back) the part
@@ -223,15 +247,30 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
     if holder is not None:
         log.info("took over part %s from %s (gone)", key, holder.describe())  # type: ignore[attr-defined]
     try:
-        from .recover import resolve_sealed
+        from .recover import resolve_sealed  # (on use: it reads arrays, so it loads numpy and torch)
 
-        committed = resolve_sealed(storage, key, lease.gen)  # a writer that stopped between seal and commit
+        committed = resolve_sealed(storage, key, lease.generation)  # a writer that stopped between seal and commit
     except BaseException:
         lease.release()
         raise
     if committed:
         lease.release()
         raise PartCommittedError(f"part {key} is already committed; a part is written once")
+    return lease  # type: ignore[return-value]
+
+
+def acquire_committed(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> PartLease:
+    """Take the lease of a part that may be committed (to repair a commit record that names a missing
+    generation, :meth:`~dflash_cache.store.FeatureCache.reopen_lost_parts`); no sealed generation is
+    resolved. Raises :class:`LeaseHeldError` when a live process holds it."""
+    try:
+        lease, _ = locks.take_generation(lambda gen: PartLease(storage, key, gen, timeout_s),
+                                         lambda: _newest_number(storage, key), lambda h: _live(storage, h, timeout_s))
+    except Contended as err:
+        if err.holder is not None:
+            raise LeaseHeldError(key, err.holder) from None  # type: ignore[arg-type]
+        raise CacheError(f"part {key}: other processes kept taking its lease while this one tried; rerun the "
+                         "command") from None
     return lease  # type: ignore[return-value]
 
 

@@ -305,6 +305,7 @@ class GenerationLock:
         self.storage, self.directory, self.gen, self.keeper = storage, directory, gen, keeper
         self.token = secrets.token_hex(8)
         self.acquired_unix = time.time()
+        self.last_beat_unix = self.acquired_unix  # when this process last wrote its record (created or refreshed)
         self._mutex = threading.Lock()
         self._released = False
 
@@ -342,15 +343,21 @@ class GenerationLock:
                 mine = False
             if mine:
                 self.storage.put(self.file, self.record())
+                self.last_beat_unix = time.time()
 
     def release(self, remove_dir: bool = False) -> None:
         """Give the lock up: remove this generation's file and older ones; with ``remove_dir`` also the
-        directory when nothing else is left in it."""
+        directory when nothing else is left in it. A lock that was taken over (another generation is the
+        newest, or its file is gone) removes nothing: its number may name another holder's file by now
+        (after the directory was removed, numbering starts again), and the newer holder removes the
+        older files when it releases."""
         with self._mutex:
             if self._released:
                 return
             self._released = True
         self.keeper.drop(self)
+        if not self.held():
+            return
         for name in self.storage.list_dir(self.directory):
             g = generation_of(self.prefix, name)
             if g is not None and g <= self.gen:

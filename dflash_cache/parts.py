@@ -16,18 +16,44 @@ LEASE = "writing.json"
 FEATURE_ARRAYS = ("features", "scales")  # token-sharded arrays
 SMALL_ARRAYS = ("input_ids", "loss_mask", "target_argmax", "offsets", "sample_ids")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_GEN = re.compile(r"^g(\d{6,})$")
+_GEN = re.compile(r"^g(\d{6,})(?:-([0-9a-f]{8,64}))?$")
 
 
-def gen_dir(gen: int) -> str:
-    """The directory (inside the part) that the writer holding lease generation ``gen`` writes into."""
-    return f"g{gen:06d}"
+@dataclass(frozen=True)
+class Generation:
+    """One writer's generation of a part: its lease number and its writer's token (the lease token).
+
+    The number orders generations while a part's lease files exist; the token makes the identity unique
+    for ever: after ``gc`` removed a part's directory, or ``release`` declared its writer dead, lease
+    numbers may start again from 1, but a new writer's token is new, so a late writer's generation is
+    never taken for its successor's (and a late writer removes only files that carry its own token).
+    ``token`` is "" for generations written before they carried one (directory ``g000003``)."""
+
+    number: int
+    token: str = ""
+
+    @property
+    def dir(self) -> str:
+        """The directory (inside the part) that this generation's writer writes into."""
+        return f"g{self.number:06d}-{self.token}" if self.token else f"g{self.number:06d}"
+
+    def superseded_by(self, holder: Generation) -> bool:
+        """This generation predates ``holder`` (the part's lease holder, whose number is above every
+        number left in the part when it took the lease): a lower number, or the same number from before
+        the part's lease files were removed (another token)."""
+        return self.number < holder.number or (self.number == holder.number and self.token != holder.token)
 
 
-def gen_of(name: str) -> int | None:
-    """The generation of a part's data directory name (``g000003`` -> 3), else None."""
+def gen_dir(gen: Generation) -> str:
+    """The directory (inside the part) that the writer of generation ``gen`` writes into."""
+    return gen.dir
+
+
+def gen_of(name: str) -> Generation | None:
+    """The generation of a part's data directory name (``g000003-<token>``, or ``g000003`` as written
+    before generations carried their writer's token), else None."""
     m = _GEN.match(name)
-    return int(m.group(1)) if m else None
+    return Generation(int(m.group(1)), m.group(2) or "") if m else None
 
 
 def check_part_name(name: str) -> str:
@@ -54,8 +80,14 @@ class PartInfo:
     arrays: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
     chunk_tokens: int = 256
     shard_tokens: int = 16384
-    generation: int | None = None  # the writer's lease generation; its data is under ``data_key``
+    generation: int | None = None  # the writer's lease number; its data is under ``data_key``
     cache_fingerprint: str | None = field(default=None, compare=False)
+    writer: str = ""  # the writer's token ("" in records written before generations carried one)
+
+    @property
+    def gen(self) -> Generation | None:
+        """The generation the record names (None: format 1, the single-directory layout)."""
+        return None if self.generation is None else Generation(self.generation, self.writer)
 
     @property
     def key(self) -> str:
@@ -63,9 +95,10 @@ class PartInfo:
 
     @property
     def data_key(self) -> str:
-        """Where the part's zarr group (arrays) lives: ``<key>/g<generation>`` (``<key>`` in records of
-        format 1, written before writers had a directory of their own)."""
-        return self.key if self.generation is None else f"{self.key}/{gen_dir(self.generation)}"
+        """Where the part's zarr group (arrays) lives: ``<key>/g<number>-<writer>`` (``<key>/g<number>`` in
+        records of format 2, ``<key>`` in records of format 1, written before writers had a directory of
+        their own)."""
+        return self.key if self.gen is None else f"{self.key}/{self.gen.dir}"
 
     @property
     def has_target_argmax(self) -> bool:
@@ -78,8 +111,8 @@ class PartInfo:
 
     def to_record(self, fingerprint: str) -> dict[str, Any]:
         return {
-            "format_version": 2, "cache_fingerprint": fingerprint, "bucket": self.bucket, "name": self.name,
-            "generation": self.generation,
+            "format_version": 3 if self.writer else 2, "cache_fingerprint": fingerprint, "bucket": self.bucket,
+            "name": self.name, "generation": self.generation, **({"writer": self.writer} if self.writer else {}),
             "n_samples": self.n_samples, "n_tokens": self.n_tokens, "codec": self.codec,
             "chunk_tokens": self.chunk_tokens, "shard_tokens": self.shard_tokens,
             "meta": self.meta, "arrays": self.arrays,
@@ -116,7 +149,7 @@ class PartInfo:
                        arrays=dict(rec["arrays"]), chunk_tokens=int(rec["chunk_tokens"]),
                        shard_tokens=int(rec["shard_tokens"]),
                        generation=None if rec.get("generation") is None else int(rec["generation"]),
-                       cache_fingerprint=rec.get("cache_fingerprint"))
+                       cache_fingerprint=rec.get("cache_fingerprint"), writer=str(rec.get("writer") or ""))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise CacheCorruptError(f"part {key}: commit record {COMMIT} is unreadable ({err}); "
                                     "run `dflash-cache verify` and re-extract this part",

@@ -83,6 +83,12 @@ class PartSink(Protocol):
 class WritableCache(CacheView, Protocol):
     """The cache extraction writes: parts (each under its lease), metadata documents and the teacher head."""
 
+    storage: Storage  # the byte store: part leases, the extraction's plan and state records
+
+    def reopen_lost_parts(self, timeout_s: float = 600.0) -> list[str]:
+        """Make committed parts whose record names a generation with no file left uncommitted again."""
+        ...
+
     def part_writer(self, bucket: int, name: str, meta: dict[str, Any] | None = None,
                     lease: PartLease | None = None) -> PartSink: ...
 

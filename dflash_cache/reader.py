@@ -205,6 +205,22 @@ class ArrayReader:
             memo[(self.layout.key, int(want))] = out.copy()  # type: ignore[arg-type]
         return out
 
+    def check_inline_copy(self, copy: np.ndarray) -> None:
+        """Compare the commit record's copy of this small array (``copy``, already checked against the
+        crc32c the record holds) with the stored array: a record whose copy and checksum were both changed
+        after the commit (sample boundaries or ids shifted) is refused here, as ``verify`` refuses it. Once
+        per array and process on remote stores (Storage.small_arrays)."""
+        memo = self.storage.small_arrays
+        seen = (self.layout.key, "stored copy checked", int(self.layout.crc32c or 0))
+        if memo is not None and memo.get(seen):  # type: ignore[call-overload]
+            return
+        stored = self.read(0, self.layout.shape[0])
+        if not np.array_equal(stored, copy):
+            raise self._corrupt("the commit record's copy of the array differs from the stored array (the record "
+                                "was changed after its commit)")
+        if memo is not None:
+            memo[seen] = True  # type: ignore[index]
+
     def _inline(self, want: int) -> np.ndarray:
         lay = self.layout
         try:
@@ -360,7 +376,20 @@ class PartReader:
                 if arr is None:
                     arr = self.readers[name].read_all()
                     self._small[name] = arr
+                    if name in _KEPT:  # what training reads must be what verify checked: both copies, once
+                        self._check_inline_copies()
         return arr
+
+    def _check_inline_copies(self) -> None:
+        """The commit record's copies of ``sample_ids`` and ``offsets`` (which the index and the sample
+        boundaries come from) against the stored arrays, when the part is first read (called under the lock)."""
+        for name in _KEPT:
+            lay = self.layouts.get(name)
+            if lay is None or lay.inline is None:
+                continue
+            if name not in self._small:
+                self._small[name] = self.readers[name].read_all()
+            self.readers[name].check_inline_copy(self._small[name])
 
     def span(self, row: int) -> tuple[int, int]:
         """Token range ``[start, stop)`` of the sample at position ``row`` of this part."""

@@ -24,19 +24,22 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from .buckets import bucket_bounds
 from .errors import CacheError
 from .fence import commit_sealed, remove_garbage_of_committed, seal_key, sealed_record
-from .parts import COMMIT, PART_GROUP, PartInfo, gen_dir
+from .part_checks import check_part
+from .parts import COMMIT, PART_GROUP, Generation, PartInfo
+from .spec import CacheSpec, root_attrs
 from .storage import Storage
 
 log = logging.getLogger(__name__)
 
 
-def resolve_sealed(storage: Storage, key: str, below: int) -> bool:
-    """Resolve the generations of uncommitted part ``key`` older than ``below`` (the caller's lease
-    generation, held) that were sealed for a commit but have no commit record. True when one of them is
-    committed now (the part is then complete; the others are removed as its garbage)."""
-    gens = [g for g in commit_sealed(storage, key) if g < below]
+def resolve_sealed(storage: Storage, key: str, holder: Generation) -> bool:
+    """Resolve the generations of uncommitted part ``key`` that ``holder`` (the caller's generation, whose
+    lease it holds) supersedes and that were sealed for a commit but have no commit record. True when one
+    of them is committed now (the part is then complete; the others are removed as its garbage)."""
+    gens = [g for g in commit_sealed(storage, key) if g.superseded_by(holder)]
     if not gens or storage.exists(f"{key}/{COMMIT}"):
         return False
     for g in reversed(gens):  # the newest first
@@ -48,37 +51,37 @@ def resolve_sealed(storage: Storage, key: str, below: int) -> bool:
             storage.put(f"{key}/zarr.json", PART_GROUP, durable=True)
             if storage.create_exclusive(f"{key}/{COMMIT}", record, durable=True) or \
                     storage.get(f"{key}/{COMMIT}") == record:
-                log.warning("part %s: committed generation %d, which its writer sealed for its commit but did not "
-                            "commit (it stopped in between); its data verifies against the sealed record", key, g)
+                log.warning("part %s: committed generation %s, which its writer sealed for its commit but did not "
+                            "commit (it stopped in between); its data verifies against the sealed record", key, g.dir)
                 with contextlib.suppress(OSError):
                     remove_garbage_of_committed(storage, key, g)
                 return True
             return False  # committed meanwhile by someone else: the caller finds the record
-        log.warning("part %s: removing generation %d, sealed for a commit by a writer that stopped before its "
-                    "commit record, because %s; the part is written again", key, g, why)
-        storage.remove_entry(f"{key}/{gen_dir(g)}")
+        log.warning("part %s: removing generation %s, sealed for a commit by a writer that stopped before its "
+                    "commit record, because %s; the part is written again", key, g.dir, why)
+        storage.remove_entry(f"{key}/{g.dir}")
         with contextlib.suppress(FileNotFoundError):
             storage.remove(seal_key(key, g))
     return False
 
 
-def _unverified(storage: Storage, key: str, gen: int, record: bytes | None) -> str | None:
+def _unverified(storage: Storage, key: str, gen: Generation, record: bytes | None) -> str | None:
     """Why generation ``gen`` cannot be committed with ``record`` (None: it can)."""
-    from .store import open_cache
-    from .verify import check_part
-
     if record is None:
         return "its seal does not carry the commit record (written by an older version)"
-    if not storage.list_dir(f"{key}/{gen_dir(gen)}"):
+    if not storage.list_dir(f"{key}/{gen.dir}"):
         return "its data directory is missing"
     try:
         info = PartInfo.from_record(record, key)
     except CacheError as err:
         return f"its sealed record cannot be read ({err})"
-    if info.key != key or info.generation != gen:
-        return f"its sealed record names part {info.key} generation {info.generation}"
-    cache = open_cache(storage.url, storage=storage)
-    if info.cache_fingerprint != cache.spec.fingerprint:
-        return f"its sealed record is for cache fingerprint {info.cache_fingerprint}, not {cache.spec.fingerprint}"
+    if info.key != key or info.gen != gen:
+        return f"its sealed record names part {info.key} generation {info.gen.dir if info.gen else None}"
+    attrs = root_attrs(storage)
+    if attrs is None:
+        return "the cache's root document is missing"
+    spec = CacheSpec.from_dict(attrs["spec"])
+    if info.cache_fingerprint != spec.fingerprint:
+        return f"its sealed record is for cache fingerprint {info.cache_fingerprint}, not {spec.fingerprint}"
     storage.put(f"{key}/zarr.json", PART_GROUP, durable=True)  # (constant; its writer may not have got to it)
-    return check_part(storage, cache, info)
+    return check_part(storage, info, bucket_bounds(spec.bucket_edges, spec.max_length, info.bucket))

@@ -6,9 +6,12 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import CacheError, ConfigError
+from .errors import CacheError, ConfigError, NotACacheError
+
+if TYPE_CHECKING:
+    from .storage import Storage
 
 FORMAT_VERSION = 1
 CODECS = ("bf16-zstd", "bf16-lz4", "bf16-raw", "fp8-e4m3")
@@ -177,3 +180,20 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def root_attrs(storage: Storage) -> dict[str, Any] | None:
+    """The cache's root attributes (``zarr.json``); None when there is no root document."""
+    try:
+        raw = storage.get("zarr.json")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise NotACacheError(f"{storage.url}/zarr.json is not valid JSON: this is not a dflash cache") from None
+    attrs = (meta.get("attributes") or {}).get(ATTR_KEY) if isinstance(meta, dict) else None
+    if not isinstance(attrs, dict):
+        raise NotACacheError(f"{storage.url} is a zarr store but not a dflash cache (no '{ATTR_KEY}' root "
+                             "attribute); point at a cache made by dflash-extract")
+    return attrs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -21,7 +22,13 @@ from .errors import (
     SampleNotFoundError,
     SpecMismatchError,
 )
-from .fence import commit_sealed, garbage_of_committed, remove_dead_seals, remove_garbage_of_committed
+from .fence import (
+    commit_sealed,
+    garbage_of_committed,
+    remove_dead_seals,
+    remove_garbage_of_committed,
+    seal_key,
+)
 from .head import HEAD_KEY, decode_head, encode_head
 from .index import CacheIndex, build_index
 from .lease import (
@@ -30,12 +37,14 @@ from .lease import (
     PartCommittedError,
     PartLease,
     acquire,
+    acquire_committed,
     is_lease_file,
     live_holder,
 )
 from .parts import COMMIT, PartInfo, check_part_name, part_key
 from .reader import PartReaderCache, Sample
 from .spec import ATTR_KEY, FORMAT_VERSION, CacheSpec, describe_diff
+from .spec import root_attrs as _root_attrs
 from .storage import Storage, make_storage
 from .writer import PartWriter
 
@@ -234,9 +243,9 @@ class FeatureCache:
         parts, _ = self.scan_parts()
         for part in parts:  # committed parts: files of writers that lost the part (never read)
             if dry_run:
-                removed += [f"{part.key}/{n}" for n in garbage_of_committed(self.storage, part.key, part.generation)]
+                removed += [f"{part.key}/{n}" for n in garbage_of_committed(self.storage, part.key, part.gen)]
             else:
-                removed += remove_garbage_of_committed(self.storage, part.key, part.generation)
+                removed += remove_garbage_of_committed(self.storage, part.key, part.gen)
         for key in self.uncommitted():
             holder = live_holder(self.storage, key, min_age_s)
             if holder is not None:
@@ -263,6 +272,50 @@ class FeatureCache:
             lease.release(remove_dir=True)
             removed.append(key)
         return removed
+
+    def lost_generations(self, parts: list[PartInfo] | None = None) -> list[PartInfo]:
+        """Committed parts whose commit record names a generation of which no file is left (removed by a
+        writer that lost the part, before generations carried their writer's token): nothing can read
+        them, and only rewriting them repairs the cache."""
+        named = [p for p in (self.parts() if parts is None else parts) if p.gen is not None]
+
+        def lost(p: PartInfo) -> bool:
+            return not self.storage.list_dir(p.data_key)
+
+        if self.storage.is_local or len(named) <= 1:
+            return [p for p in named if lost(p)]
+        with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="dflash-scan") as pool:  # (latency-bound)
+            return [p for p, gone in zip(named, pool.map(lost, named), strict=True) if gone]
+
+    def reopen_lost_parts(self, timeout_s: float = LEASE_TIMEOUT_S) -> list[str]:
+        """Make every part of :meth:`lost_generations` uncommitted again, so that the extraction writes it
+        anew: under the part's lease (no other writer can commit it meanwhile) its commit record is
+        checked again and removed, with the logged reason. Returns the keys reopened; a part whose lease a
+        live process holds is left to it."""
+        reopened = []
+        for part in self.lost_generations():
+            try:
+                lease = acquire_committed(self.storage, part.key, timeout_s)
+            except LeaseHeldError:
+                continue
+            try:
+                try:
+                    raw = self.storage.get(f"{part.key}/{COMMIT}")
+                except FileNotFoundError:
+                    continue
+                now = PartInfo.from_record(raw, part.key)
+                if now.gen != part.gen or self.storage.list_dir(now.data_key):
+                    continue  # (rewritten meanwhile)
+                log.warning("part %s: its commit record names generation %s, of which no file is left (removed by "
+                            "a writer that lost the part); the record is removed and the part written again",
+                            part.key, part.gen.dir)  # type: ignore[union-attr]
+                self.storage.remove(f"{part.key}/{COMMIT}")
+                with contextlib.suppress(FileNotFoundError):
+                    self.storage.remove(seal_key(part.key, part.gen))  # type: ignore[arg-type]
+                reopened.append(part.key)
+            finally:
+                lease.release()
+        return reopened
 
     # -- index and reads --------------------------------------------------------------------------
 
@@ -325,22 +378,6 @@ class FeatureCache:
 
 
 # -- create / open ---------------------------------------------------------------------------------
-
-
-def _root_attrs(storage: Storage) -> dict[str, Any] | None:
-    try:
-        raw = storage.get("zarr.json")
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        raise NotACacheError(f"{storage.url}/zarr.json is not valid JSON: this is not a dflash cache") from None
-    attrs = (meta.get("attributes") or {}).get(ATTR_KEY) if isinstance(meta, dict) else None
-    if not isinstance(attrs, dict):
-        raise NotACacheError(f"{storage.url} is a zarr store but not a dflash cache (no '{ATTR_KEY}' root "
-                             "attribute); point at a cache made by dflash-extract")
-    return attrs
 
 
 def _cache_from_attrs(storage: Storage, attrs: dict[str, Any]) -> FeatureCache:

@@ -3,13 +3,16 @@
 - the head (``head.safetensors``) against the checksum in the root metadata, and its shapes;
 - every committed part against its commit record (arrays, counts, offsets, checksums, finiteness);
 - the work units of the extraction: every part a unit's records name is committed and the unit
-  holds the samples its records count; an uncommitted part of a unit whose writer is gone means
-  the unit is incomplete (extraction was interrupted, or a commit record was lost);
+  holds the samples its records count. A unit that lacks a part (an uncommitted part of a unit whose
+  writer is gone, or no part at all) is *unfinished* while the extraction has not finished -- resumable,
+  not damage -- and a lost commit record once it has;
+- the extraction's state (:mod:`dflash_cache.extraction`): "extraction not finished: N of M units";
 - the extraction's final report (``meta/extract_report.json``) against the committed samples;
 - no sample id in two places.
 
 Every problem is collected (one line per part, however many checks it fails); nothing stops at the
-first.
+first. Problems are damage (``dflash-cache verify`` exits 2); an unfinished extraction without damage
+exits 3.
 """
 
 from __future__ import annotations
@@ -22,22 +25,19 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
-from .codecs import crc32c, u16_to_bf16
 from .errors import CacheCorruptError
+from .extraction import FINISH, REPORT, ExtractionState, extraction_state
 from .fence import commit_sealed, garbage_of_committed, seal_gen, seal_key
 from .head import HEAD_KEY, decode_head
 from .lease import live_holder
-from .parts import COMMIT, PartInfo, gen_dir, gen_of, part_key
-from .reader import ArrayReader, layouts_for
+from .part_checks import PartCheckError, check_part_arrays
+from .parts import COMMIT, PartInfo, gen_of, part_key
 from .storage import Storage
 from .store import FeatureCache, open_cache
 
 log = logging.getLogger(__name__)
 
-EXTRACT_REPORT = "meta/extract_report.json"
+EXTRACT_REPORT = REPORT
 _RERUN = "rerun dflash-extract with the same config and --out: it rewrites missing parts and keeps the others"
 _REWRITE = "delete the part's directory and rerun dflash-extract with the same config and --out to rewrite it"
 
@@ -65,6 +65,14 @@ class VerifyReport:
     stray: list[str] = field(default_factory=list)  # files where only part directories belong
     unknown: list[str] = field(default_factory=list)  # entries in committed parts that their record does not name
     sealed: list[str] = field(default_factory=list)  # uncommitted parts whose writer sealed a generation, then stopped
+    extraction: ExtractionState | None = None  # the extraction's plan and progress (dflash_cache.extraction)
+    unfinished: list[str] = field(default_factory=list)  # units not complete yet (resumable: no damage), one line each
+
+    @property
+    def finished(self) -> bool:
+        """Nothing is left to extract: the extraction finished (or the cache was not written by one) and no
+        unit lacks a part."""
+        return not self.unfinished and not (self.extraction is not None and self.extraction.unfinished)
 
     @property
     def ok(self) -> bool:
@@ -84,6 +92,10 @@ class VerifyReport:
         else:  # the counts are of the parts that passed
             s = (f"{self.n_parts} parts checked: {len(self.problems)} problem(s); the parts that pass hold "
                  f"{self.n_samples} samples, {self.n_tokens} tokens")
+        if self.extraction is not None and (self.extraction.status != "none" or self.unfinished):
+            s += f"; {self.extraction.describe()}"
+        if self.unfinished:
+            s += f" ({len(self.unfinished)} unit(s) started and not complete: resumable, {FINISH})"
         if self.being_written:
             s += f"; {len(self.being_written)} part(s) being written by a live extraction"
         listed = {p.part for p in self.problems}
@@ -102,7 +114,7 @@ class VerifyReport:
 
     def leftovers(self) -> list[str]:
         """One line per entry that readers ignore (what it is, and whether ``dflash-cache gc`` removes it)."""
-        lines = []
+        lines = list(self.unfinished)
         for key in self.sealed:
             lines.append(f"{key}: uncommitted, but its writer sealed a generation for its commit and stopped before "
                          "the commit record; `dflash-cache gc` (or rerunning the extraction) commits it if it "
@@ -121,118 +133,15 @@ class VerifyReport:
         return lines
 
 
-class _PartCheck(Exception):
-    def __init__(self, array: str, message: str):
-        super().__init__(message)
-        self.array, self.message = array, message
-
-
-def _required(part: PartInfo) -> list[str]:
-    names = ["features", "input_ids", "loss_mask", "offsets", "sample_ids"]
-    return names + (["scales"] if part.codec == "fp8-e4m3" else [])
-
-
-def _check_metadata(storage: Storage, part: PartInfo) -> None:
-    groups = [part.key, part.data_key] if part.generation is not None else [part.key]
-    for key in groups:  # zarr-python walks the hierarchy through these
-        if not storage.exists(f"{key}/zarr.json"):
-            raise _PartCheck("zarr.json", f"{key}/zarr.json (a zarr group document) is missing")
-    for name in _required(part):
-        if name not in part.arrays:
-            raise _PartCheck(name, "the commit record does not list this array")
-    for name, rec in part.arrays.items():
-        try:
-            meta = json.loads(storage.get(f"{part.data_key}/{name}/zarr.json"))
-        except FileNotFoundError:
-            raise _PartCheck(name, "zarr.json is missing") from None
-        except ValueError:
-            raise _PartCheck(name, "zarr.json is not valid JSON") from None
-        if list(meta.get("shape", [])) != list(rec["shape"]) or meta.get("data_type") != rec["dtype"]:
-            raise _PartCheck(name, f"zarr.json says shape {meta.get('shape')} {meta.get('data_type')}, the commit "
-                             f"record says {rec['shape']} {rec['dtype']}")
-
-
-def _check_counts(part: PartInfo, small: dict[str, np.ndarray], bounds: tuple[int, int]) -> None:
-    a = part.arrays
-    if a["features"]["shape"][0] != part.n_tokens:
-        raise _PartCheck("features", f"{a['features']['shape'][0]} rows, commit record counts {part.n_tokens} tokens")
-    for name in ("input_ids", "loss_mask", "target_argmax"):
-        if name in a and a[name]["shape"][0] != part.n_tokens:
-            raise _PartCheck(name, f"{a[name]['shape'][0]} tokens, commit record counts {part.n_tokens}")
-    if a["sample_ids"]["shape"][0] != part.n_samples or a["offsets"]["shape"][0] != part.n_samples + 1:
-        raise _PartCheck("sample_ids", f"{a['sample_ids']['shape'][0]} ids and {a['offsets']['shape'][0]} offsets, "
-                         f"commit record counts {part.n_samples} samples")
-    off = small["offsets"]
-    if off[0] != 0 or off[-1] != part.n_tokens or np.any(np.diff(off) <= 0):
-        raise _PartCheck("offsets", f"offsets must rise from 0 to {part.n_tokens}; got {off[:3].tolist()}..{off[-1]}")
-    lengths = np.diff(off)
-    lo, hi = bounds
-    if lengths.size and (lengths.min() <= lo or lengths.max() > hi):
-        raise _PartCheck("offsets", f"sample lengths {lengths.min()}..{lengths.max()} outside bucket ({lo}, {hi}]")
-    if len(np.unique(small["sample_ids"])) != part.n_samples:
-        raise _PartCheck("sample_ids", "sample ids repeat within the part")
-
-
-def _check_features(storage: Storage, part: PartInfo) -> None:
-    lay = layouts_for(part)
-    readers = {n: ArrayReader(storage, lay[n], part.key) for n in ("features", "scales") if n in lay}
-    crcs = dict.fromkeys(readers, 0)
-    for name, r in readers.items():  # each shard's own index too (readers take it from the record's chunk table)
-        tables = r.layout.chunk_tables
-        if tables is None:
-            continue
-        n_shards = -(-part.n_tokens // part.shard_tokens)
-        if len(tables) != n_shards:
-            raise _PartCheck(name, f"the commit record holds {len(tables)} chunk tables for {n_shards} shards")
-        for shard in range(n_shards):
-            r.stored_shard_index(shard)  # checked against the index checksum the record binds, as the table is
-    step = part.shard_tokens
-    for start in range(0, part.n_tokens, step):
-        stop = min(part.n_tokens, start + step)
-        for name, r in readers.items():
-            block = r.read(start, stop)
-            crcs[name] = crc32c(block, crcs[name])
-            if not _finite(name, block, part.codec):
-                raise _PartCheck(name, f"non-finite values in tokens [{start}, {stop})")
-    for name, value in crcs.items():
-        if value != part.arrays[name]["crc32c"]:
-            raise _PartCheck(name, "crc32c of the data differs from the commit record")
-
-
-def _finite(name: str, block: np.ndarray, codec: str) -> bool:
-    if name == "scales":
-        return bool(np.isfinite(block).all())
-    if codec == "fp8-e4m3":
-        return not bool(((block & 0x7F) == 0x7F).any())  # e4m3fn NaN patterns
-    return bool(torch.isfinite(u16_to_bf16(block)).all())
-
-
-def _check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> dict[str, np.ndarray]:
-    _check_metadata(storage, part)
-    lay = layouts_for(part)
-    small = {}
-    for name in ("input_ids", "loss_mask", "target_argmax", "offsets", "sample_ids"):
-        if name in lay:
-            reader = ArrayReader(storage, lay[name], part.key)
-            small[name] = reader.read(0, lay[name].shape[0])
-            if crc32c(small[name]) != part.arrays[name]["crc32c"]:
-                raise _PartCheck(name, "crc32c of the data differs from the commit record")
-            if lay[name].inline is not None and not np.array_equal(reader.read_all(), small[name]):
-                raise _PartCheck(name, "the commit record's copy differs from the stored array")
-    _check_counts(part, small, cache.bucket_bounds(part.bucket))
-    _check_features(storage, part)
-    return small
-
-
 def unknown_entries(storage: Storage, part: PartInfo) -> list[str]:
     """Keys in committed part ``part`` that neither the commit protocol nor its commit record names (an extra
     file in its generation, an array or chunk the record does not list, a partial write): nothing reads
     them. Other generations and seals are :func:`~dflash_cache.fence.garbage_of_committed`, lease files
     are the protocol's own."""
     key = part.key
-    known = {COMMIT, "zarr.json", *garbage_of_committed(storage, key, part.generation)}
-    known |= {gen_dir(part.generation), seal_key(key, part.generation).rsplit("/", 1)[-1]} \
-        if part.generation is not None else set(part.arrays)
+    known = {COMMIT, "zarr.json", *garbage_of_committed(storage, key, part.gen)}
+    known |= {part.gen.dir, seal_key(key, part.gen).rsplit("/", 1)[-1]} \
+        if part.gen is not None else set(part.arrays)
     out = [f"{key}/{name}" for name in storage.list_dir(key) if name not in known]
     grids: dict[str, list[int] | None] = {}
     for k in sorted(storage.list_files(part.data_key)):
@@ -264,17 +173,6 @@ def _chunk_grid(storage: Storage, array_key: str) -> list[int] | None:
         return None
 
 
-def check_part(storage: Storage, cache: FeatureCache, part: PartInfo) -> str | None:
-    """Every check of ``verify`` on one part (its record taken as given): None when it passes, else why not."""
-    try:
-        _check_part(storage, cache, part)
-    except _PartCheck as err:
-        return f"array {err.array}: {err.message}"
-    except CacheCorruptError as err:
-        return str(err)
-    return None
-
-
 def _check_groups(cache: FeatureCache, report: VerifyReport) -> None:
     """The group documents that zarr-python needs to walk from the root to the parts."""
     for key in ["buckets/zarr.json", *(f"buckets/{b}/zarr.json" for b in range(cache.spec.n_buckets))]:
@@ -300,7 +198,7 @@ def _check_head(cache: FeatureCache, report: VerifyReport) -> None:
 
 def _leftover_unit(storage: Storage, key: str) -> int | None:
     """The work unit an uncommitted part belongs to (from its group attributes), if any."""
-    gens = sorted((g, n) for n in storage.list_dir(key) if (g := gen_of(n)) is not None)
+    gens = sorted((g.number, n) for n in storage.list_dir(key) if (g := gen_of(n)) is not None)
     where = f"{key}/{gens[-1][1]}" if gens else key
     try:
         meta = json.loads(storage.get(f"{where}/zarr.json")).get("attributes", {}).get("meta", {})
@@ -311,7 +209,17 @@ def _leftover_unit(storage: Storage, key: str) -> int | None:
 
 def _check_units(cache: FeatureCache, parts: list[PartInfo], report: VerifyReport) -> None:
     """Each unit's committed parts against the unit's own records (``unit_parts``, ``unit_buckets``,
-    ``unit_stats``), and uncommitted parts of units whose writer is gone."""
+    ``unit_stats``), and uncommitted parts of units whose writer is gone. A unit that lacks parts is
+    *unfinished* (resumable: the rerun writes what is missing) while the extraction has not finished, and
+    damage (a lost commit record) once it has."""
+    finished = report.extraction is not None and report.extraction.status == "finished"
+
+    def incomplete(key: str, array: str, msg: str) -> None:
+        if finished:
+            report.add(key, array, f"{msg}; {_RERUN}")
+        else:
+            report.unfinished.append(f"{key}: {msg} (the extraction has not finished: {FINISH})")
+
     units: dict[int, list[PartInfo]] = defaultdict(list)
     for p in parts:
         if "unit" in p.meta:
@@ -323,13 +231,13 @@ def _check_units(cache: FeatureCache, parts: list[PartInfo], report: VerifyRepor
             have = {p.bucket for p in mine}
             missing = [b for b in meta.get("unit_buckets", []) if b not in have]
             msg = (f"work unit {u} is incomplete: {len(mine)} of its {want_parts} parts are committed and this "
-                   f"one has no commit record; {_RERUN}")
+                   "one has no commit record")
             listed = {p.part for p in report.problems}
             for b in missing:
                 if part_key(b, mine[0].name) not in listed:  # (an unreadable record is reported already)
-                    report.add(part_key(b, mine[0].name), COMMIT, msg)
+                    incomplete(part_key(b, mine[0].name), COMMIT, msg)
             if not missing:
-                report.add(mine[0].key, "meta", msg.replace("this one", "another (bucket unknown)"))
+                incomplete(mine[0].key, "meta", msg.replace("this one", "another (bucket unknown)"))
             continue
         want = (meta.get("unit_stats") or {}).get("n_samples")
         got = sum(p.n_samples + int(p.meta.get("n_nonfinite", 0)) for p in mine)
@@ -342,9 +250,9 @@ def _check_units(cache: FeatureCache, parts: list[PartInfo], report: VerifyRepor
             report.being_written.append(key)
             continue
         u = _leftover_unit(cache.storage, key)
-        if u is not None and key not in {p.part for p in report.problems}:
-            report.add(key, COMMIT, f"work unit {u} is incomplete: this part has no commit record and no live "
-                       f"writer (the extraction stopped before committing it, or the record was lost); {_RERUN}")
+        if u is not None and key not in {p.part for p in report.problems} | {ln.split(":")[0] for ln in report.unfinished}:
+            incomplete(key, COMMIT, f"work unit {u} is incomplete: this part has no commit record and no live "
+                       "writer (the extraction stopped before committing it, or the record was lost)")
 
 
 def _check_extract_report(cache: FeatureCache, parts: list[PartInfo], report: VerifyReport) -> None:
@@ -363,13 +271,13 @@ def _check_extract_report(cache: FeatureCache, parts: list[PartInfo], report: Ve
 
 
 def _check_parts_in_parallel(cache: Any, parts: list[Any], threads: int | None) -> list[Any]:
-    """``_check_part`` of every part on ``threads`` threads (decoding releases the GIL; remote stores
+    """``check_part_arrays`` of every part on ``threads`` threads (decoding releases the GIL; remote stores
     overlap their requests); each result is the part's small arrays or the exception it raised, in
     ``parts`` order, so the report reads the same whatever the thread count."""
     def one(part: Any) -> Any:
         try:
-            return _check_part(cache.storage, cache, part)
-        except (_PartCheck, CacheCorruptError) as err:
+            return check_part_arrays(cache.storage, part, cache.bucket_bounds(part.bucket))
+        except (PartCheckError, CacheCorruptError) as err:
             return err
 
     n = threads or (min(8, os.cpu_count() or 1) if cache.storage.is_local else 16)
@@ -396,14 +304,14 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
     checked = _check_parts_in_parallel(cache, parts, threads)
     for part, result in zip(parts, checked, strict=True):
         report.n_parts += 1
-        report.garbage += [f"{part.key}/{n}" for n in garbage_of_committed(cache.storage, part.key, part.generation)
+        report.garbage += [f"{part.key}/{n}" for n in garbage_of_committed(cache.storage, part.key, part.gen)
                            if not n.startswith("lease.")]
         report.unknown += unknown_entries(cache.storage, part)
         try:
             if isinstance(result, BaseException):
                 raise result
             small = result
-        except _PartCheck as err:
+        except PartCheckError as err:
             report.add(part.key, err.array, f"{err.message}; {_REWRITE}")
             continue
         except CacheCorruptError as err:
@@ -412,6 +320,7 @@ def verify_cache(url: str, storage: Storage | None = None, raise_on_error: bool 
         report.n_samples += part.n_samples
         report.n_tokens += part.n_tokens
         _check_duplicates(report, seen, small["sample_ids"], part.key)
+    report.extraction = extraction_state(cache.storage, parts)
     _check_units(cache, parts, report)
     if not any(p.part is not None for p in report.problems):  # (else those problems explain a shortfall)
         _check_extract_report(cache, parts, report)

@@ -4,7 +4,7 @@ Ownership: a writer holds the part's lease (:mod:`dflash_cache.lease`) from star
 other process writes, clears or commits the same part meanwhile; the leftover of a dead writer is
 cleared by the next holder, and a part with a commit record is never touched again.
 
-Fencing: the writer writes only under its lease generation's directory ``<part>/g<gen>/`` and the
+Fencing: the writer writes only under its generation's directory ``<part>/g<number>-<token>/`` and the
 commit record names that generation, so a writer that lost its lease (frozen past the lease
 timeout, then resumed) writes only garbage that nothing reads (:mod:`dflash_cache.fence`).
 
@@ -24,7 +24,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -46,12 +46,27 @@ from .codecs import (
 )
 from .errors import CacheError, DataError
 from .fence import remove_garbage_of_committed, seal_for_commit, seal_key
-from .lease import LEASE_TIMEOUT_S, LeaseLostError, PartCommittedError, PartLease, acquire
-from .parts import COMMIT, PART_GROUP, PartInfo, check_part_name, gen_dir, part_key
+from .lease import HEARTBEAT_S, LeaseLostError, PartCommittedError, PartLease, acquire, released_at
+from .locks import host_name
+from .parts import COMMIT, PART_GROUP, PartInfo, check_part_name, part_key
 from .runtime.switches import env_switch
+from .spec import CacheSpec
+from .storage import Storage
 
-if TYPE_CHECKING:
-    from .store import FeatureCache
+
+class CacheLayout(Protocol):
+    """What a part writer needs of its cache (:class:`~dflash_cache.store.FeatureCache` is one; the writer
+    does not import the store, which builds writers)."""
+
+    storage: Storage
+    spec: CacheSpec
+    chunk_tokens: int
+    shard_tokens: int
+
+    def bucket_of(self, length: int) -> int: ...
+
+    def bucket_bounds(self, b: int) -> tuple[int, int]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +97,7 @@ class _ShardedArray:
     inner chunks, then their index) and put whole, which avoids zarr's per-chunk overhead.
     """
 
-    def __init__(self, cache: FeatureCache, part: str, name: str, width: int, dtype: str,
+    def __init__(self, cache: CacheLayout, part: str, name: str, width: int, dtype: str,
                  params: BloscParams | None, compressors: list, attrs: dict[str, Any]):
         self.storage, self.key = cache.storage, f"{part}/{name}"
         self.chunk, self.shard, self.params = cache.chunk_tokens, cache.shard_tokens, params
@@ -134,7 +149,7 @@ class PartWriter:
     :class:`~dflash_cache.lease.LeaseHeldError` when a live process writes the part).
     """
 
-    def __init__(self, cache: FeatureCache, bucket: int, name: str, meta: dict[str, Any] | None = None,
+    def __init__(self, cache: CacheLayout, bucket: int, name: str, meta: dict[str, Any] | None = None,
                  lease: PartLease | None = None):
         spec = cache.spec
         if not 0 <= bucket < spec.n_buckets:
@@ -152,7 +167,8 @@ class PartWriter:
         self._with_argmax: bool | None = None
         self._closed = False
         self._lease = lease if lease is not None else acquire(cache.storage, self.key)
-        self.data_key = f"{self.key}/{gen_dir(self._lease.gen)}"  # this writer's files; nobody else's
+        self.generation = self._lease.generation  # unique for ever: lease number + this writer's token
+        self.data_key = f"{self.key}/{self.generation.dir}"  # this writer's files; nobody else's
         try:
             self._start()
         except BaseException:
@@ -164,7 +180,12 @@ class PartWriter:
 
     def _start(self) -> None:
         st = self.cache.storage
-        self._lease.clear_leftovers()  # of a dead earlier writer; raises when the part is committed
+        try:
+            self._lease.clear_leftovers()  # of a dead earlier writer; raises when the part is committed
+        except PartCommittedError:
+            if not self._lease.held():  # taken over and committed by another process while this one stalled
+                raise self._lost() from None
+            raise
         self._store = st.zarr_store(self.data_key)
         zarr.create_group(self._store, attributes={"bucket": self.bucket, "name": self.name, "meta": self.meta})
         d, n = self.cache.spec.feature_dim, self.cache.spec.feature_slots
@@ -279,16 +300,29 @@ class PartWriter:
         st = self.cache.storage
         if sealed and st.exists(f"{self.key}/{COMMIT}"):  # committed by another writer: this one is garbage now
             with contextlib.suppress(OSError):
-                st.remove(seal_key(self.key, self._lease.gen))
+                st.remove(seal_key(self.key, self.generation))  # (its own: the name carries its token)
             sealed = False
         if not sealed:
             with contextlib.suppress(OSError):
                 st.remove_entry(self.data_key)  # this generation's files: nobody else's
+        why = self._why_lost()
         self._lease.release()
-        return LeaseLostError(f"part {self.key} was taken over by another process while this one wrote it (no "
-                              f"heartbeat for {LEASE_TIMEOUT_S:.0f} s: was this process stopped, or its host "
-                              "frozen?); this copy is dropped and the other writer's stands. Rerun the job to "
-                              "write what is still missing")
+        return LeaseLostError(f"part {self.key} was taken over by another process while this one wrote it ({why}); "
+                              "this copy is dropped and the other writer's stands. Rerun the job to write what is "
+                              "still missing")
+
+    def _why_lost(self) -> str:
+        """The figures behind a takeover: how old this process's heartbeat was, the timeouts, a release."""
+        now, lease = time.time(), self._lease
+        why = (f"this process's last lease heartbeat was {max(0.0, now - lease.last_beat_unix):.0f} s ago; it writes "
+               f"one every {HEARTBEAT_S:.0f} s, and a part is taken over once its heartbeat is older than the taker's "
+               f"extract.lease_timeout_s or gc --min-age ({lease.timeout_s:.0f} s in this process)")
+        with contextlib.suppress(OSError):
+            released = released_at(self.cache.storage, host_name())
+            if released is not None and released > lease.last_beat_unix:
+                why += (f"; `dflash-cache release --host {host_name()}` declared this host's leases dead "
+                        f"{max(0.0, now - released):.0f} s ago")
+        return why + ": was this process stopped, or its host frozen?"
 
     def _push_features(self, sid: int, features: torch.Tensor) -> None:
         try:
@@ -335,7 +369,7 @@ class PartWriter:
         # so either it sees this seal and keeps the files, or this writer sees its lease and stops. The seal
         # carries the record: should this writer stop before its commit record, the part's next lease holder
         # commits this generation with it once the data verifies (dflash_cache.recover)
-        if not seal_for_commit(st, self.key, self._lease.gen, record):
+        if not seal_for_commit(st, self.key, self.generation, record):
             raise self._lost()
         if not self._lease.held():
             if self._committed_as(record):  # the next holder committed this generation for us
@@ -362,7 +396,7 @@ class PartWriter:
         self._lease.release()
         self._closed = True
         with contextlib.suppress(OSError):  # late writers' garbage: nobody can commit this part any more
-            remove_garbage_of_committed(st, self.key, self._lease.gen)
+            remove_garbage_of_committed(st, self.key, self.generation)
         log.debug("committed part %s: %d samples, %d tokens", self.key, self.n_samples, self.n_tokens)
         return info
 
@@ -386,7 +420,8 @@ class PartWriter:
         return PartInfo(bucket=self.bucket, name=self.name, n_samples=self.n_samples, n_tokens=self.n_tokens,
                         meta=self.meta, codec=self.codec.name, arrays=arrays,
                         chunk_tokens=self.cache.chunk_tokens, shard_tokens=self.cache.shard_tokens,
-                        generation=self._lease.gen, cache_fingerprint=self.cache.spec.fingerprint)
+                        generation=self.generation.number, writer=self.generation.token,
+                        cache_fingerprint=self.cache.spec.fingerprint)
 
     def abort(self) -> None:
         """Drop everything written so far; the part never becomes visible. Removes nothing when the

@@ -124,8 +124,9 @@ class ExtractConfig(Section):
     """A sample with NaN/Inf features: `skip` (counted) or `error`."""
     lease_timeout_s: float | None = Field(None, gt=0)
     """A part leased by a writer on another host is taken over when that writer's heartbeat (written every
-    30 s) is older than this; unset: 20 heartbeats (600 s). `dflash-cache release CACHE --host NAME` takes a
-    dead host's parts over at once."""
+    30 s) is older than this; at least 3 heartbeats (90 s), so that a live writer never loses its part to a
+    late heartbeat; unset: 20 heartbeats (600 s). `dflash-cache release CACHE --host NAME` takes a dead host's
+    parts over at once."""
     batch_overhead: float = Field(0.02, ge=0)
     """Batch planning: each extra batch costs this fraction of `tokens_per_batch` (less padding vs fewer
     batches)."""
@@ -141,4 +142,12 @@ def check_sections(data: DataConfig, extract: ExtractConfig) -> list[InitErrorDe
             ("extract", "tokens_per_batch"), extract.tokens_per_batch,
             f"is below data.max_length ({data.max_length}): a sample of max_length tokens would not fit in a "
             "batch; set it to at least data.max_length"))
+    from dflash_cache.lease import HEARTBEAT_S, LEASE_TIMEOUT_MIN_S
+
+    if extract.lease_timeout_s is not None and extract.lease_timeout_s < LEASE_TIMEOUT_MIN_S:
+        errors.append(field_error(
+            ("extract", "lease_timeout_s"), extract.lease_timeout_s,
+            f"is below {LEASE_TIMEOUT_MIN_S:.0f} s: writers refresh their leases every {HEARTBEAT_S:.0f} s, so a "
+            "shorter timeout takes parts away from live writers whose heartbeat is merely late; set at least "
+            f"{LEASE_TIMEOUT_MIN_S:.0f}, or use `dflash-cache release CACHE --host NAME` for a host known dead"))
     return errors

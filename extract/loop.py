@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from dflash_cache.errors import CacheError, DataError
+from dflash_cache.extraction import mark_empty_unit, write_plan
 from dflash_cache.lease import LEASE_TIMEOUT_S, Holder, LeaseHeldError, PartCommittedError, PartLease, acquire
 from dflash_cache.parts import part_key
 from dflash_cache.protocols import WritableCache
@@ -183,6 +184,8 @@ class UnitRunner:
         """Lease the unit's uncommitted parts and run it; False (nothing done) when a live process holds
         one of them: try again later."""
         if not prep.unit_buckets:
+            with storage_errors(self.cache.url, f"recording that unit {prep.unit} kept no sample"):
+                mark_empty_unit(self.cache.storage, prep.unit)  # complete without a part (the extraction's state)
             self.empty_units.add(prep.unit)
             self._count(prep)
             return True
@@ -308,6 +311,13 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
         lambda: check_records(sample_rules(cfg), tokenizer, vocab, [r for u in own for r in by_unit.get(u, [])]))
     spec = build_spec(cfg, model, tokenizer, layer_ids, data.fingerprint)
     cache = open_output(ctx, out_url, spec, cfg, model, check)
+    if ctx.rank == 0:
+        with storage_errors(cache.url, "recording the extraction plan"):
+            write_plan(cache.storage, n_units, unit_size, data.n_total)  # before any part: "N of M units" from here on
+            # a commit record naming a generation of which no file is left (removed by a late writer before
+            # generations carried their writer's token) is reported and the part written again, never "complete"
+            cache.reopen_lost_parts(cfg.extract.lease_timeout_s or LEASE_TIMEOUT_S)
+    ctx.barrier()
     complete = complete_units(cache)
     mine = [u for u in own if u not in complete]
     todo_total = sum(len(by_unit.get(u, [])) for u in range(n_units) if u not in complete)

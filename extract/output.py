@@ -10,6 +10,7 @@ from typing import Any
 
 from dflash_cache import CacheSpec, TeacherInfo, create_cache, open_cache
 from dflash_cache.errors import CacheError
+from dflash_cache.extraction import complete_units as extraction_complete_units
 from dflash_cache.parts import PartInfo
 from dflash_cache.protocols import CacheView, WritableCache
 from dflash_cache.runtime.config import config_to_dict
@@ -103,22 +104,9 @@ def open_output(ctx: Distributed, url: str, spec: CacheSpec, cfg: PipelineConfig
     return cache
 
 
-def committed_units(cache: CacheView) -> dict[int, set[int]]:
-    """``unit -> committed buckets`` for units with every part committed (complete) or some (partial)."""
-    out: dict[int, set[int]] = {}
-    for p in cache.parts():
-        if "unit" in p.meta:
-            out.setdefault(int(p.meta["unit"]), set()).add(p.bucket)
-    return out
-
-
 def complete_units(cache: CacheView) -> set[int]:
-    expected: dict[int, int] = {}
-    for p in cache.parts():
-        if "unit" in p.meta:
-            expected[int(p.meta["unit"])] = int(p.meta["unit_parts"])
-    done = committed_units(cache)
-    return {u for u, n in expected.items() if len(done[u]) == n}
+    """Units whose every part is committed (the rule ``info``, ``verify`` and the trainer count by)."""
+    return extraction_complete_units(cache.parts())
 
 
 def check_units(cache: CacheView, units: Sequence[int], empty: set[int]) -> tuple[int, int, list[str]]:

@@ -62,7 +62,7 @@ MUTANTS = [
            "dflash_cache/storage.py", (("        with _CREATE_LOCK:\n", "        with contextlib.nullcontext():\n"),),
            ("tests/test_cache_safety.py::test_exclusive_create_raced_by_threads_on_memory_storage_has_one_winner",)),
     Mutant("verify-skips-whole-array-checksum", "verify catches corruption, also a valid shard of another part",
-           "dflash_cache/verify.py", (('        if value != part.arrays[name]["crc32c"]:\n',
+           "dflash_cache/part_checks.py", (('        if value != part.arrays[name]["crc32c"]:\n',
                                        "        if False:\n"),),
            ("tests/test_cache_safety.py::test_verify_catches_a_shard_of_another_part_whose_index_is_the_same[no_chunk_tables]",)),
     Mutant("reader-ignores-recorded-chunk-checksums", "training reads only the part's own chunks: each chunk "
@@ -162,6 +162,48 @@ MUTANTS = [
            (("metrics.update(selector_metric_sums(blocks, rows, chosen, (top_idx == gold.unsqueeze(1)).any(-1)))",
              "metrics.update(selector_metric_sums(blocks, rows, chosen, trains))"),),
            ("tests/test_model_dflash2.py::test_selector_topk_recall_is_the_share_of_rows_whose_gold_is_a_candidate",)),
+    Mutant("reader-checks-only-the-first-chunk-of-a-run", "training reads only the part's own chunks: every chunk "
+           "of a read range is checked against the commit record, not only the first",
+           "dflash_cache/reader.py", (("want = None if bound is None else int(bound[first + i])",
+                                       "want = None if bound is None or i > 0 else int(bound[first + i])"),),
+           ("tests/test_cache_safety.py::test_every_chunk_of_a_read_range_is_checked_against_the_record_not_only_"
+            "the_first",)),
+    Mutant("lease-ignores-a-live-holder", "nobody else takes (and so commits) a part while its holder is live",
+           "dflash_cache/locks.py", (("        if live(holder):\n            raise Contended(holder)\n", ""),),
+           ("tests/test_cache_safety.py::test_nobody_else_takes_a_part_while_its_holder_is_live",)),
+    Mutant("commit-skips-its-lease-check", "a writer that lost its lease never commits, even before its "
+           "generation is sealed dead", "dflash_cache/writer.py",
+           (("        if not self._lease.held():\n            if self._committed_as(record):",
+             "        if False:\n            if self._committed_as(record):"),),
+           ("tests/test_cache_safety.py::test_a_writer_that_lost_its_lease_never_commits_even_before_its_generation_"
+            "is_sealed_dead",)),
+    Mutant("commit-seal-overwrites", "the commit seal is created exclusively: a generation sealed dead stays dead",
+           "dflash_cache/fence.py", (("    if storage.create_exclusive(seal_key(key, gen), commit_seal(record), "
+                                      "durable=True):",
+                                      "    if storage.put(seal_key(key, gen), commit_seal(record), durable=True) "
+                                      "or True:"),),
+           ("tests/test_cache_safety.py::test_the_commit_seal_and_the_dead_seal_exclude_each_other",)),
+    Mutant("remover-ignores-a-commit-seal", "a remover backs off from a generation sealed for its commit",
+           "dflash_cache/fence.py", (("                return False  # its writer is committing it",
+                                      "                pass  # its writer is committing it"),),
+           ("tests/test_cache_safety.py::test_the_commit_seal_and_the_dead_seal_exclude_each_other",)),
+    Mutant("generation-reused-after-gc", "a generation identifier is never reused for a part (it carries its "
+           "writer's token): a late writer cannot take the new owner's generation for its own",
+           "dflash_cache/parts.py", (('return f"g{self.number:06d}-{self.token}" if self.token else '
+                                      'f"g{self.number:06d}"', 'return f"g{self.number:06d}"'),),
+           ("tests/test_cache_generations.py::test_freeze_timeout_gc_rerun_resume_leaves_the_new_owners_part_untouched",
+            "tests/test_cache_generations.py::test_release_gc_rerun_resume_leaves_the_new_owners_part_untouched")),
+    Mutant("superseded-lock-removes-lease-files", "a lock that was taken over removes no lock file (its number may "
+           "name another holder's by now)", "dflash_cache/locks.py",
+           (("        if not self.held():\n            return\n        for name in self.storage.list_dir",
+             "        for name in self.storage.list_dir"),),
+           ("tests/test_locks.py::test_a_stale_holder_is_taken_over_and_its_late_beat_and_release_change_nothing",)),
+    Mutant("reader-trusts-the-records-copies", "training reads the sample boundaries and ids verify checked: the "
+           "record's copies are compared with the stored arrays", "dflash_cache/reader.py",
+           (("                    if name in _KEPT:  # what training reads must be what verify checked: both "
+             "copies, once\n                        self._check_inline_copies()\n", ""),),
+           ("tests/test_cache_binding.py::test_training_refuses_what_verify_rejects[edited_offsets]",
+            "tests/test_cache_binding.py::test_training_refuses_what_verify_rejects[edited_sample_ids]")),
 ]
 
 

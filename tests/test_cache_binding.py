@@ -5,9 +5,13 @@ writer and an emptied chunk stop ``dflash-train`` with one clear line (or quaran
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 from pathlib import Path
 
+import google_crc32c
+import numpy as np
 import pytest
 from fixtures.trainer import run_train, small_cache
 
@@ -57,11 +61,30 @@ def _empty_small_chunk(url: Path) -> str:
     return part.key
 
 
-@pytest.mark.parametrize("damage", ["swapped_shards", "foreign_shard", "empty_small_chunk"])
+def _edited_record(url: Path, array: str) -> str:
+    """The commit record's inline copy of ``offsets`` (a sample boundary moved by one token) or
+    ``sample_ids`` (an id changed) edited, with the copy's crc32c recomputed to match: the record agrees with
+    itself, only the stored array tells."""
+    part = open_cache(str(url)).parts()[0]
+    path = url / part.key / "commit.json"
+    rec = json.loads(path.read_text())
+    a = rec["arrays"][array]
+    values = np.frombuffer(base64.b64decode(a["inline"]), dtype="<i8").copy()
+    values[1] += 1 if array == "offsets" else 10_000
+    a["inline"] = base64.b64encode(values.astype("<i8").tobytes()).decode()
+    a["crc32c"] = google_crc32c.value(values.astype(a["dtype"]).tobytes())
+    path.write_text(json.dumps(rec, indent=1))
+    return part.key
+
+
+@pytest.mark.parametrize("damage", ["swapped_shards", "foreign_shard", "empty_small_chunk", "edited_offsets",
+                                    "edited_sample_ids"])
 def test_training_refuses_what_verify_rejects(tmp_path, capsys, damage):
     url = _cache(tmp_path)
     key = {"swapped_shards": lambda: _swap_shards(url), "foreign_shard": lambda: _foreign_shard(url, tmp_path),
-           "empty_small_chunk": lambda: _empty_small_chunk(url)}[damage]()
+           "empty_small_chunk": lambda: _empty_small_chunk(url),
+           "edited_offsets": lambda: _edited_record(url, "offsets"),
+           "edited_sample_ids": lambda: _edited_record(url, "sample_ids")}[damage]()
     assert cli_main(["verify", str(url)]) == 2
     assert key in capsys.readouterr().err
     proc = run_train(BASE, str(url), tmp_path / "run", expect=2)

@@ -164,7 +164,7 @@ def test_a_remover_and_a_committing_writer_never_both_win(tmp_path, monkeypatch,
     _fill(w, 4000)
     lease_mod._keeper.drop(w._lease)
     taker = cache.part_writer(1, "race")  # seals w's generation dead and removes its files
-    assert cache.storage.get(f"buckets/1/race/g{w._lease.gen:06d}.seal") == b"dead"
+    assert cache.storage.get(f"buckets/1/race/{w.generation.dir}.seal") == b"dead"
     with pytest.raises(LeaseLostError, match="taken over"):
         w.commit()  # its seal fails first: it never creates the commit record
     _fill(taker, 4100)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,9 +122,17 @@ def _writer_dies_between_seal_and_commit(url: Path) -> str:
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     key = "buckets/1/sealed"
     names = sorted(os.listdir(url / key))
-    assert "commit.json" not in names and "g000001.seal" in names and "g000001" in names, names
-    assert (url / key / "g000001.seal").read_bytes().startswith(b"commit\n{")  # the seal carries the record
+    gen = _gen_dir(url / key)
+    assert "commit.json" not in names and f"{gen}.seal" in names and gen in names, names
+    assert (url / key / f"{gen}.seal").read_bytes().startswith(b"commit\n{")  # the seal carries the record
     return key
+
+
+def _gen_dir(part: Path) -> str:
+    """The one generation directory of a part (``g000001-<writer token>``)."""
+    gens = [p.name for p in part.iterdir() if p.is_dir() and re.fullmatch(r"g000001-[0-9a-f]{16}", p.name)]
+    assert len(gens) == 1, sorted(os.listdir(part))
+    return gens[0]
 
 
 def _assert_committed_as_written(url: Path, key: str) -> None:
@@ -136,13 +145,14 @@ def _assert_committed_as_written(url: Path, key: str) -> None:
 
 def test_gc_commits_a_sealed_generation_whose_writer_died_before_its_commit_record(cache_dir, capsys, caplog):
     key = _writer_dies_between_seal_and_commit(cache_dir)
+    gen = _gen_dir(cache_dir / key)
     assert cli_main(["verify", str(cache_dir)]) == 0  # invisible to readers until resolved; listed
     said = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith(f"{key}:")]
     assert len(said) == 1 and "sealed a generation for its commit" in said[0] and "dflash-cache gc" in said[0]
     with caplog.at_level(logging.WARNING, logger="dflash_cache.recover"):
         assert cli_main(["gc", str(cache_dir)]) == 0
     said = capsys.readouterr()
-    assert f"part {key}: committed generation 1, which its writer sealed" in said.err + caplog.text
+    assert f"part {key}: committed generation {gen}, which its writer sealed" in said.err + caplog.text
     assert "removed 0 uncommitted part(s)" in said.out
     _assert_committed_as_written(cache_dir, key)
 
@@ -156,14 +166,15 @@ def test_a_rerun_of_the_part_finds_it_committed_from_the_seal(cache_dir):
 
 def test_a_sealed_generation_that_does_not_verify_is_removed_and_the_part_rewritten(cache_dir, capsys, caplog):
     key = _writer_dies_between_seal_and_commit(cache_dir)
-    shard = cache_dir / key / "g000001" / "features" / "c" / "0" / "0"
+    gen = _gen_dir(cache_dir / key)
+    shard = cache_dir / key / gen / "features" / "c" / "0" / "0"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # damaged after its writer sealed it
     shard.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING, logger="dflash_cache.recover"):
         assert cli_main(["gc", str(cache_dir)]) == 0
     said = capsys.readouterr()
-    assert f"part {key}: removing generation 1" in said.err + caplog.text and key in said.out
+    assert f"part {key}: removing generation {gen}" in said.err + caplog.text and key in said.out
     assert not (cache_dir / key).exists()  # nothing of it is left
     assert verify_cache(str(cache_dir)).uncommitted == []
     with open_cache(str(cache_dir)).part_writer(1, "sealed") as w:  # the rerun writes it again

@@ -273,7 +273,7 @@ def test_commit_makes_the_tree_durable_then_creates_the_record_exclusively(tmp_p
     before = events[:created[0]]
     # the fenced protocol: the generation's data made durable, then the generation sealed for the commit
     # (durably), then the record that names the generation
-    gen_key = "buckets/1/recorded/g000001"
+    gen_key = w.data_key  # buckets/1/recorded/g000001-<the writer's token>
     seal = f"{gen_key}.seal"
     assert ("sync_tree", gen_key) in before, before[-6:]
     sealed = [i for i, e in enumerate(before) if e[:2] == ("create_exclusive", seal)]
@@ -288,3 +288,97 @@ def test_commit_makes_the_tree_durable_then_creates_the_record_exclusively(tmp_p
     dirs = {str(p) for p in part.rglob("*") if p.is_dir()} | {str(part), str(part.parent)}
     assert dirs <= synced, sorted(dirs - synced)
     assert verify_cache(str(url)).ok
+
+
+# ------------------------------------------------------------------------------------------------
+# each chunk of a read checked against the record; the lease rule and the seal, each alone
+# ------------------------------------------------------------------------------------------------
+
+
+def test_every_chunk_of_a_read_range_is_checked_against_the_record_not_only_the_first(tmp_path, monkeypatch):
+    """A run of later chunks spliced in from another part (each with a valid chunk checksum of its own, and
+    the shards' indexes equal: uncompressed parts of equal length) is refused by a read that starts at
+    an untouched chunk, as verify refuses it."""
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    url = tmp_path / "c"
+    make_synthetic_cache(str(url), 24, lengths=[100] * 24, samples_per_part=8, bucket_edges=(64, 128),
+                         chunk_tokens=16, shard_tokens=64, seed=3, codec="bf16-raw")
+    parts = open_cache(str(url)).parts()
+    a, b = [p for p in parts if p.bucket == parts[0].bucket][:2]
+    shard_a, shard_b = (url / p.data_key / "features" / "c" / "0" / "0" for p in (a, b))
+    chunk = 16 * a.arrays["features"]["shape"][1] * 2 + 4  # an uncompressed chunk and its crc32c
+    raw_a, raw_b = shard_a.read_bytes(), shard_b.read_bytes()
+    shard_a.write_bytes(raw_a[:chunk] + raw_b[chunk:4 * chunk] + raw_a[4 * chunk:])  # chunks 1-3 from part b
+    cache = open_cache(str(url))
+    part = next(p for p in cache.parts() if p.key == a.key)
+    assert cache.read_tokens(part, 0, 16).shape == (16, a.arrays["features"]["shape"][1])  # chunk 0: a's own
+    with pytest.raises(CacheCorruptError, match="chunk 1 of shard .* is not the one its commit record names"):
+        cache.read_tokens(part, 0, 64)  # one run over chunks 0-3: chunk 1 is the first spliced one
+    with pytest.raises(CacheCorruptError, match="not the one its commit record names"):
+        verify_cache(str(url))
+
+
+def _writer_with_data(url, name: str):
+    cache = open_cache(str(url))
+    w = cache.part_writer(1, name)
+    g = torch.Generator().manual_seed(11)
+    for i in range(2):
+        w.add(6000 + i, torch.arange(70), torch.ones(70, dtype=torch.bool), synthetic_features(70, 3, 64, g))
+    return cache, w
+
+
+def test_nobody_else_takes_a_part_while_its_holder_is_live(tmp_path, monkeypatch):
+    """The lease rule alone: while the writer holds the part (this process, alive), another acquire is
+    refused -- not merely beaten later by the seal -- and the holder commits."""
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    url = tmp_path / "c"
+    make_synthetic_cache(str(url), 4, lengths=[70] * 4, samples_per_part=4, bucket_edges=(64, 128),
+                         chunk_tokens=16, shard_tokens=64, seed=3)
+    cache, w = _writer_with_data(url, "held")
+    with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}"):
+        acquire(cache.storage, w.key)
+    assert sorted(n for n in os.listdir(url / w.key) if n.startswith("lease.")) == ["lease.000001.json"]
+    info = w.commit()
+    assert info.data_key == w.data_key and verify_cache(str(url)).ok
+
+
+def test_a_writer_that_lost_its_lease_never_commits_even_before_its_generation_is_sealed_dead(tmp_path,
+                                                                                              monkeypatch):
+    """The writer's own lease check alone: another process took the lease (and has not fenced the old
+    generation off yet, so the seal does not stop it); the late writer's commit is refused."""
+    from dflash_cache import lease as lease_mod
+    from dflash_cache.lease import LeaseLostError
+
+    monkeypatch.setenv("DFLASH_CACHE_FSYNC", "0")
+    url = tmp_path / "c"
+    make_synthetic_cache(str(url), 4, lengths=[70] * 4, samples_per_part=4, bucket_edges=(64, 128),
+                         chunk_tokens=16, shard_tokens=64, seed=3)
+    cache, w = _writer_with_data(url, "late")
+    lease_mod._keeper.drop(w._lease)  # its process looks dead from here on
+    taker = acquire(cache.storage, w.key)  # the lease only: nothing sealed dead, nothing removed yet
+    assert not (url / w.key / f"{w.generation.dir}.seal").exists()
+    with pytest.raises(LeaseLostError, match="taken over"):
+        w.commit()
+    assert not (url / w.key / COMMIT).exists()
+    taker.release(remove_dir=True)
+
+
+def test_the_commit_seal_and_the_dead_seal_exclude_each_other(tmp_path):
+    """The seal alone, without leases: of a remover and a committing writer of one generation, the first to
+    seal wins and the other backs off, whichever comes first (on local disk and memory://)."""
+    from dflash_cache.fence import discard_generation, seal_for_commit, seal_key
+    from dflash_cache.parts import Generation
+
+    for url in (str(tmp_path / "s"), f"memory://seal-{tmp_path.name}/s"):
+        st = make_storage(url)
+        gen = Generation(1, "0123456789abcdef")
+        st.put(f"buckets/0/p/{gen.dir}/features/zarr.json", b"{}")
+        assert discard_generation(st, "buckets/0/p", gen)  # the remover first: sealed dead, files removed
+        assert not seal_for_commit(st, "buckets/0/p", gen, b"{}")  # the writer backs off
+        assert st.get(seal_key("buckets/0/p", gen)) == b"dead"
+        other = Generation(2, "fedcba9876543210")
+        st.put(f"buckets/0/p/{other.dir}/features/zarr.json", b"{}")
+        assert seal_for_commit(st, "buckets/0/p", other, b"{}")  # the writer first: sealed for its commit
+        assert not discard_generation(st, "buckets/0/p", other)  # the remover backs off, files kept
+        assert st.exists(f"buckets/0/p/{other.dir}/features/zarr.json")
+        assert st.get(seal_key("buckets/0/p", other)).startswith(b"commit")

@@ -96,6 +96,88 @@ def test_end_to_end_into_a_fresh_cache(tiny_teacher_dir, reference, capsys):
     assert snapshot(out) == snap
 
 
+def _complete_units_of(url) -> int:
+    """Units all of whose parts (by the unit's own ``unit_parts``) are committed, counted here."""
+    by_unit: dict[int, list] = {}
+    for p in open_cache(str(url)).parts():
+        by_unit.setdefault(int(p.meta["unit"]), []).append(p)
+    return sum(len(ps) == int(ps[0].meta["unit_parts"]) for ps in by_unit.values())
+
+
+def _train_argv(out: Path, run: Path, *extra: str) -> list[str]:
+    sets = ["train.max_steps=1", "train.epochs=1", "model.num_hidden_layers=1", "train.num_anchors=8",
+            "loader.tokens_per_batch=1024", "metrics.progress_bar=false", "metrics.tensorboard=false", *extra]
+    return [str(ROOT / "configs" / "tiny.toml"), "--cache", str(out), "--run-dir", str(run),
+            *[a for o in sets for a in ("--set", o)]]
+
+
+def test_an_unfinished_extraction_is_named_by_info_and_verify_and_refused_by_the_trainer(
+        tiny_teacher_dir, reference, tmp_path, capsys):
+    """SIGKILL mid-extraction, then gc: verify exits 3 ("extraction not finished: k of 5 units", no damage),
+    info says the same, dflash-train refuses it naming the command that finishes it (unless
+    loader.allow_unfinished), and the rerun finishes it (verify 0)."""
+    from dflash_cache.cli import main as cache_main
+    from train.cli import main as train_main
+
+    out = tmp_path / "cache"
+    # (each commit widened by the test hook, so that the kill lands between units on a busy machine too)
+    proc = subprocess.Popen(_subprocess_cmd(tiny_teacher_dir, out), cwd=ROOT,
+                            env={**_env(), "DFLASH_TEST_COMMIT_DELAY_S": "0.5"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while _complete_units_of(out) < 2 if (out / "zarr.json").exists() else True:  # two units committed
+        assert proc.poll() is None and time.time() < deadline, "the extraction ended before its second unit"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert cache_main(["gc", str(out)]) == 0
+    k = _complete_units_of(out)
+    assert 2 <= k < N // 8, "the kill landed after the run finished"
+    capsys.readouterr()
+    assert cache_main(["verify", str(out)]) == 3
+    said = capsys.readouterr()
+    assert f"extraction not finished: {k} of {N // 8} units" in said.out and "no damage found" in said.err
+    assert cache_main(["info", str(out)]) == 0
+    assert f"extraction   extraction not finished: {k} of {N // 8} units" in capsys.readouterr().out
+    report = verify_cache(str(out))  # not damage: nothing raised
+    assert report.ok and not report.finished and report.extraction.units_complete == k
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert train_main(_train_argv(out, tmp_path / "run")) == 2
+        err = capsys.readouterr().err
+        assert f"extraction not finished: {k} of {N // 8} units" in err and "rerun the same dflash-extract" in err
+        assert "loader.allow_unfinished=true" in err and not (tmp_path / "run" / "metrics.jsonl").exists()
+        assert train_main(_train_argv(out, tmp_path / "run2", "loader.allow_unfinished=true")) == 0
+    finally:
+        os.chdir(cwd)
+    assert _run(tiny_teacher_dir, out) == 0
+    assert cache_main(["verify", str(out)]) == 0
+    assert "extraction finished (5 units)" in capsys.readouterr().out
+    assert snapshot(out) == reference[1]
+
+
+def test_a_rerun_rewrites_a_part_whose_commit_record_names_a_missing_generation(tiny_teacher_dir, reference,
+                                                                                tmp_path, capsys):
+    """What a late writer left before generations carried their writer's token: a commit record naming a
+    generation with no file left. verify names it (exit 2); the rerun reports it and writes the part
+    again (never "complete" over it)."""
+    import shutil
+
+    out = tmp_path / "cache"
+    shutil.copytree(reference[0], out)
+    part = next(p for p in open_cache(str(out)).parts() if p.name == "u0000002")
+    shutil.rmtree(out / part.data_key)
+    with pytest.raises(Exception, match=part.key):
+        verify_cache(str(out))
+    capsys.readouterr()
+    assert _run(tiny_teacher_dir, out) == 0
+    said = capsys.readouterr()
+    assert f"part {part.key}: its commit record names generation" in said.err
+    assert "units: 5 (4 already complete" in said.out
+    assert verify_cache(str(out)).ok and snapshot(out) == reference[1]
+
+
 def test_sigkill_then_resume_is_bitwise_identical(tiny_teacher_dir, reference, tmp_path):
     out = tmp_path / "cache"
     proc = subprocess.Popen(_subprocess_cmd(tiny_teacher_dir, out), cwd=ROOT, env=_env(),
@@ -148,7 +230,12 @@ def test_disk_full_then_resume_with_two_processes(tiny_teacher_dir, reference, t
     monkeypatch.setattr(writer_mod._ShardedArray, "flush", real_flush)
     cache = open_cache(str(out))
     committed = {(p.bucket, p.name) for p in cache.parts()}
-    assert committed and verify_cache(str(out)) is not None
+    # whichever part the full disk hit first (a unit with 1 of its 2 parts committed, or none): no damage,
+    # an unfinished extraction whose started units are resumable
+    report = verify_cache(str(out))
+    assert committed and report.ok and not report.finished and report.extraction.status == "unfinished"
+    assert all("resumable" not in p.message for p in report.problems)
+    assert all("the extraction has not finished" in line for line in report.unfinished)
     # resume with a different number of processes: every sample exactly once
     subprocess.run(_subprocess_cmd(tiny_teacher_dir, out, nproc=2), cwd=ROOT, env=_env(), check=True,
                    capture_output=True, timeout=300)

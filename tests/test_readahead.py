@@ -252,9 +252,10 @@ def test_locality_runs_bring_requests_per_sample_to_a_tenth(tmp_path) -> None:
 
 
 def test_a_remote_epoch_reads_each_parts_metadata_once(cache_path: str) -> None:
-    """Through the read-ahead on a remote store: one request per commit record and per token array of each
+    """Through the read-ahead on a remote store: one request per commit record and per small array of each
     part (input_ids, loss_mask; sample_ids, offsets and every shard's chunk table come with the commit record,
-    which two scans share), and no request for a shard's index."""
+    which two scans share, and the stored sample_ids and offsets are read once to check those copies), and
+    no request for a shard's index."""
     url = f"latency://{cache_path}"
     n_parts = len(open_cache(url).parts())
     latency_fs.reset_counters()
@@ -263,7 +264,8 @@ def test_a_remote_epoch_reads_each_parts_metadata_once(cache_path: str) -> None:
     assert sum(len(b.sample_ids) for b in batches) == N
     assert kinds.get("head", 0) <= 1, kinds  # (open_cache: does the root exist)
     assert kinds["commit record"] == n_parts, (kinds, n_parts)
-    assert kinds["small array"] == 2 * n_parts, (kinds, n_parts)  # input_ids, loss_mask
+    # input_ids, loss_mask; and the stored sample_ids and offsets, compared once with the record's copies
+    assert kinds["small array"] == 4 * n_parts, (kinds, n_parts)
     assert kinds["feature range"] == loader.read_counters.requests  # (no shard index read)
 
 

@@ -262,10 +262,11 @@ def test_a_multipart_shard_upload_killed_midway_leaves_nothing_visible(s3, tiny_
     assert not s3.exists(f"dflash-test/{key}")  # no partial object
     part_key = key.split("/g")[0].removeprefix("multipart/")  # buckets/<b>/<name>
     assert part_key not in [p.key for p in open_cache(url).parts()]
-    report = verify_cache(url, raise_on_error=False)  # the unit is incomplete (no commit record), not torn
-    assert part_key in report.uncommitted, report.uncommitted
-    assert report.problems and all(p.array == "commit.json" and "incomplete" in p.message for p in report.problems)
-    assert not any("features" in str(p) for p in report.problems), report.problems
+    report = verify_cache(url, raise_on_error=False)  # the unit is incomplete (no commit record), not torn:
+    assert part_key in report.uncommitted, report.uncommitted  # an unfinished extraction, no damage
+    assert report.ok and not report.finished and report.extraction.status == "unfinished", report.problems
+    assert any(ln.startswith(f"{part_key}: ") and "incomplete" in ln for ln in report.unfinished), report.unfinished
+    assert not any("features" in ln for ln in report.unfinished), report.unfinished
     assert _extract(_args(tiny_teacher_dir, url)) == 0
     assert _snapshot(url) == reference
     assert verify_cache(url).ok

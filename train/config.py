@@ -199,6 +199,10 @@ class LoaderConfig(Section):
     live: bool = False
     """Follow a cache still being extracted (needs `train.max_steps`: the run's length cannot be planned from
     it); see docs/operations.md."""
+    allow_unfinished: bool = False
+    """Train on a cache whose extraction has not finished (`dflash-cache info` says "extraction not finished:
+    N of M units"): only the committed units are trained on. Unset, such a cache is refused (outside live
+    mode) with the command that finishes it."""
     live_poll_s: float = Field(5.0, gt=0)
     """How often live mode looks for the cache and newly committed parts."""
     live_timeout_s: float | None = Field(None, gt=0)

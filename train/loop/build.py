@@ -184,6 +184,26 @@ def build_selector_loss(train_cfg: TrainConfig, model: nn.Module) -> Any:
     return SelectorLoss(train_cfg.selector_alpha, train_cfg.selector_gold_outside, train_cfg.selector_detach_backbone)
 
 
+def refuse_unfinished(cache: Any, allow: bool) -> Any:
+    """``cache``, unless its extraction has not finished (``dflash_cache.extraction``): then an error naming
+    how far it got and the command that finishes it, or with ``allow`` (``loader.allow_unfinished``) a
+    warning."""
+    from dflash_cache.errors import CacheError
+    from dflash_cache.extraction import FINISH, extraction_state
+
+    # (parts scanned only when unfinished; unreadable records are for loader.on_corrupt to judge)
+    state = extraction_state(cache.storage, lambda: cache.scan_parts()[0])
+    if not state.unfinished:
+        return cache
+    finish = FINISH.replace("CACHE", cache.url)
+    if allow:
+        log.warning("%s: %s; training on the committed units only (loader.allow_unfinished); %s", cache.url,
+                    state.describe(), finish)
+        return cache
+    raise CacheError(f"{cache.url}: {state.describe()}; {finish}, or train on the committed units with --set "
+                     "loader.allow_unfinished=true (or follow the extraction with --set loader.live=true)")
+
+
 def open_training_cache(url: str, loader_cfg: LoaderConfig) -> Any:
     """The cache to train on. Live mode (``loader.live``) may start before extraction: it waits, saying what
     for, until the cache exists and holds the teacher's frozen head (``loader.live_timeout_s`` bounds the wait)."""
@@ -191,7 +211,7 @@ def open_training_cache(url: str, loader_cfg: LoaderConfig) -> Any:
     from dflash_cache.errors import CacheNotFoundError, NotACacheError
 
     if not loader_cfg.live:
-        return open_cache(url)
+        return refuse_unfinished(open_cache(url), loader_cfg.allow_unfinished)
     t0, last_log = time.monotonic(), -math.inf
     while True:
         try:
