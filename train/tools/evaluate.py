@@ -371,6 +371,8 @@ def live_eval(model: Drafter, teacher: Any, prompts: Sequence[list[int]], *, max
     """Speculative decoding on every prompt. Greedy (``sampling`` None or temperature 0): checked token for
     token against the teacher's greedy output. Sampled: speculative sampling (lossless in distribution, which
     tests/test_sampling.py checks statistically), drawing from one generator seeded with ``seed``."""
+    if max_new_tokens < 1:  # no cycle to count (spec_generate refuses it too)
+        raise ConfigError(f"live decoding: max_new_tokens must be >= 1, got {max_new_tokens}")
     was_training = model.training
     model.eval()
     result = LiveResult()
@@ -411,7 +413,7 @@ def live_eval(model: Drafter, teacher: Any, prompts: Sequence[list[int]], *, max
 
 def load_for_eval(checkpoint: str, cache: ReadableCache, attention: str = "auto", device: torch.device | None = None) -> Any:
     """A drafter from a checkpoint / run dir / drafter dir, checked against ``cache`` (names the field)."""
-    from ..models.model import drafter_class
+    from ..models.factory import drafter_class
     from .export import config_for, load_weights
 
     loaded = load_weights(checkpoint)
