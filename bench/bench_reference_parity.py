@@ -5,7 +5,7 @@ Not a test (the suite cannot depend on the reference package): it needs the ``df
 and, for the 44947fb loop, that commit's ``dflash/model.py`` saved as a file:
 
     PYTHONPATH=$PWD:/tmp/dflash_pkg .venv/bin/python bench/bench_reference_parity.py \\
-        --ref-44947fb /tmp/ref44947fb_model.py [--demo runs/demo]
+        --ref-44947fb /tmp/ref44947fb_model.py [--demo runs/demo] [--set eval.live_prompts=16 ...]
 
 Part 1, released configs: a released-style drafter directory (one sliding + one full layer, tiny teacher shapes,
 random weights) per case (``is_causal`` absent / true / false, ``dflash_config.input_embedding_scale`` 2.5) is
@@ -153,7 +153,23 @@ def released_configs(ref_mod) -> dict:
     return out
 
 
-def tau_conventions(ref_mod, ref44947fb, demo: Path, config: str) -> dict:
+class _KeepFirstCache:
+    """A DynamicCache whose ``crop(n)`` keeps the first ``n`` positions, as the transformers 44947fb was written for
+    did (recent versions refuse a positive ``crop``)."""
+
+    def __new__(cls):
+        from transformers import DynamicCache
+
+        class KeepFirst(DynamicCache):
+            def crop(self, max_length: int) -> None:
+                extra = self.get_seq_length() - max_length
+                if extra > 0:
+                    super().crop(-extra)
+
+        return KeepFirst()
+
+
+def tau_conventions(ref_mod, ref44947fb, demo: Path, config: str, overrides: list[str]) -> dict:
     from transformers import AutoModel
 
     from dflash_cache import open_cache
@@ -162,7 +178,7 @@ def tau_conventions(ref_mod, ref44947fb, demo: Path, config: str) -> dict:
     from train.tools.evaluate import holdout_sample_ids, live_prompts, load_for_eval, run_live
     from train.tools.export import cli_main as export_main
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
     cache = open_cache(str(demo / "cache"))
     ids = holdout_sample_ids(cache, cfg.loader.holdout_fraction)
     live = run_live(load_for_eval(str(demo / "run"), cache, cfg.model.attention), cfg.eval, cfg.teacher, cache, ids,
@@ -173,6 +189,7 @@ def tau_conventions(ref_mod, ref44947fb, demo: Path, config: str) -> dict:
     N = cfg.eval.live_max_new_tokens
     ref_mod._cuda_time = time.perf_counter  # its timers call torch.cuda.synchronize
     ref44947fb._cuda_time = time.perf_counter
+    ref44947fb.DynamicCache = _KeepFirstCache  # 44947fb's crop(n) keeps the first n positions (older transformers)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "export"
@@ -213,6 +230,8 @@ def main() -> None:
     ap.add_argument("--ref-44947fb", required=True, help="z-lab/dflash 44947fb's dflash/model.py, saved as a file")
     ap.add_argument("--demo", default="runs/demo", help="a finished demo's output directory (part 2)")
     ap.add_argument("--config", default="configs/tiny.toml", help="the preset the demo ran")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override, e.g. eval.live_prompts=16 eval.live_max_new_tokens=128")
     args = ap.parse_args()
     torch.set_num_threads(2)
     import dflash.model as ref_mod
@@ -222,7 +241,7 @@ def main() -> None:
     spec.loader.exec_module(ref44947fb)
     result = {"released_configs": released_configs(ref_mod)}
     if (Path(args.demo) / "run").is_dir():
-        result["tau"] = tau_conventions(ref_mod, ref44947fb, Path(args.demo), args.config)
+        result["tau"] = tau_conventions(ref_mod, ref44947fb, Path(args.demo), args.config, args.overrides)
     else:
         print(f"{args.demo}: no finished demo; part 2 (tau) skipped (run `make demo`)")
     RESULTS.parent.mkdir(exist_ok=True)
