@@ -30,7 +30,8 @@ from train.config import GuardsConfig, TrainConfig
 from train.data.batch import Batch
 from train.loop.build import LossModule, build_optimizer, build_scheduler, build_selector_loss
 from train.loop.step import train_step
-from train.models.model import DFlashConfig, drafter_class
+from train.models.factory import drafter_class
+from train.models.model import DFlashConfig
 from train.tools.estimate import estimate_run
 from train.tools.evaluate import propose
 

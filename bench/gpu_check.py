@@ -62,7 +62,8 @@ from train.loop.build import (  # noqa: E402
 )
 from train.loop.step import train_step  # noqa: E402
 from train.models.dtypes import DtypeProbe, cuda_autocast_rules_on_cpu  # noqa: E402
-from train.models.model import DFlashConfig, DFlashDrafter, drafter_class  # noqa: E402
+from train.models.factory import drafter_class  # noqa: E402
+from train.models.model import DFlashConfig, DFlashDrafter  # noqa: E402
 from train.models.objective import FlatBatch, dflash_loss, sample_anchors  # noqa: E402
 from train.tools.estimate import (  # noqa: E402
     DrafterShape,

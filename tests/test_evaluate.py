@@ -13,7 +13,8 @@ from dflash_cache.runtime.schema import PipelineConfig
 from extract.config import TeacherConfig
 from train.components.checkpoint import Checkpointer
 from train.config import CheckpointConfig, ModelConfig
-from train.models.model import DFlashConfig, DFlashDrafter, build_drafter
+from train.models.factory import build_drafter
+from train.models.model import DFlashConfig, DFlashDrafter
 from train.models.objective import FlatBatch, build_blocks
 from train.tools.evaluate import (
     _sample_batch,

@@ -17,7 +17,8 @@ from dflash_cache.runtime.config import config_to_dict
 from dflash_cache.runtime.schema import PipelineConfig
 from train.components.checkpoint import Checkpointer
 from train.config import CheckpointConfig, ModelConfig
-from train.models.model import DFlashConfig, build_drafter, load_drafter_dir
+from train.models.factory import build_drafter, load_drafter_dir
+from train.models.model import DFlashConfig
 from train.models.objective import dflash_loss
 from train.tools.export import cli_main, config_for, expected_shapes, load_weights, resolve_checkpoint
 

@@ -15,7 +15,8 @@ from test_model_dflash2 import dflash2_drafter
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from train.models.dflash2 import DFlash2Drafter
-from train.models.model import load_drafter_dir, read_drafter_config
+from train.models.factory import load_drafter_dir
+from train.models.model import read_drafter_config
 from train.models.objective import FlatBatch, build_blocks
 from train.tools.export import cli_main, export_drafter
 

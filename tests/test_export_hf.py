@@ -17,6 +17,7 @@ import torch
 from fixtures.drafters import tiny_batch, tiny_drafter
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from dflash_cache.errors import ConfigError
 from train.models.model import DFlashConfig, DFlashDrafter
 from train.models.objective import FlatBatch, build_blocks
 from train.tools.export import MODELING_FILE, cli_main, export_drafter, modeling_source
@@ -55,7 +56,8 @@ def test_export_ships_the_modeling_file_and_the_engines_causality_switches(tmp_p
     assert cfg.get("is_causal") is hint and cfg["dflash_config"].get("causal") is hint
     draft = _load(out)
     assert (draft.block_size, draft.mask_token_id, draft.target_layer_ids) == (8, 95, [1, 2, 3])
-    assert draft.sliding_within_block == overrides.get("sliding_within_block", "bidirectional")
+    assert [layer.self_attn.causal for layer in draft.layers] == [
+        model.config.within_block(i) == "causal" for i in range(model.config.num_hidden_layers)]
     loaded = draft.state_dict()
     assert set(loaded) == set(model.state_dict())
     for name, tensor in model.state_dict().items():
@@ -269,10 +271,49 @@ def test_spec_generate_rejects_a_prompt_it_cannot_read(tmp_path, teacher):
         draft.spec_generate(model, [[1, 2, 3]], 4)
 
 
-def test_a_stop_token_first_counts_one_cycle_like_eval_live(tmp_path, teacher):
+def test_a_stop_token_first_runs_the_first_cycle_like_eval_live(tmp_path, teacher, monkeypatch):
+    """The prefill's token is a stop token: spec_generate still runs and counts the first cycle in full, as
+    ``eval --live`` and the reference (44947fb) do. Both drafters propose the teacher's own continuation, so that
+    cycle keeps every draft: [B], not [1]."""
+    from train.tools import evaluate
+
     model, tokenizer = teacher
-    draft = _load(_export(_teacher_drafter(model), tmp_path / "e"))
+    B = 4
+    trained = _teacher_drafter(model, block_size=B)
+    draft = _load(_export(trained, tmp_path / "e"))
     ids = _prompts(tokenizer, 1)[0]
-    first = int(_greedy(model, ids, 1, eos=model.config.vocab_size)[0, ids.shape[1]])
-    got = draft.spec_generate(model, ids, 20, [first], 0.0, return_stats=True)
-    assert got.output_ids.shape[1] == ids.shape[1] + 1 and got.acceptance_lengths == [1] and got.tau == 1.0
+    P = ids.shape[1]
+    full = _greedy(model, ids, 3 * B, eos=model.config.vocab_size)[0]  # never stops
+    stop = int(full[P])  # the prefill's token
+
+    class OracleHead(torch.nn.Module):  # the drafter's head: the teacher's continuation of the first block
+        def __init__(self):
+            super().__init__()
+            self.weight = model.get_output_embeddings().weight
+
+        def forward(self, hidden):  # [1, B-1, H] -> [1, B-1, V]
+            return torch.nn.functional.one_hot(full[P + 1:P + B], model.config.vocab_size).float().unsqueeze(0)
+
+    oracle = OracleHead()
+    model.get_output_embeddings = lambda: oracle
+    try:
+        got = draft.spec_generate(model, ids, 20, [stop], 0.0, return_stats=True)
+    finally:
+        del model.get_output_embeddings
+    monkeypatch.setattr(evaluate, "propose", lambda _m, feats, _last: full[feats.shape[0] + 1:feats.shape[0] + B].tolist())
+    live = evaluate.speculative_decode(trained, model, ids[0].tolist(), 20, {stop}, [1, 2, 3])
+    assert got.output_ids.shape[1] == P + 1 and live.generated == [stop]
+    assert got.acceptance_lengths == live.accepted_per_cycle == [B] and got.tau == live.tau == B
+
+
+def test_no_token_budget_is_refused_by_spec_generate_and_eval_live(tmp_path, teacher):
+    from train.tools.evaluate import live_eval
+
+    model, tokenizer = teacher
+    trained = _teacher_drafter(model)
+    draft = _load(_export(trained, tmp_path / "e"))
+    ids = _prompts(tokenizer, 1)[0]
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        draft.spec_generate(model, ids, 0, None, 0.0, return_stats=True)
+    with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
+        live_eval(trained, model, [ids[0].tolist()], max_new_tokens=0, eos=set(), layer_ids=[1, 2, 3])

@@ -39,6 +39,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=finite_float, default=1.0, help="--live with --temperature: nucleus sampling (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="--live with --temperature: top-k sampling (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="--live with --temperature: the sampling seed")
+    p.add_argument("--card-tau", action="store_true",
+                   help="--live: also report tau in the published model cards' convention (dflash 0.1.0: the last "
+                        "cycle clipped at the budget and the stop token), beside the reference 44947fb's")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p

@@ -41,7 +41,7 @@ def _stage(name: str, main: Any, argv: list[str]) -> None:
 def _untrained_drafter(cfg: Any, cache: ReadableCache) -> Any:
     import torch
 
-    from .models.model import build_drafter
+    from .models.factory import build_drafter
 
     torch.manual_seed(cfg.train.seed)  # the same initialisation the trainer starts from
     return build_drafter(cfg.model, cache.spec, cache.load_head()).eval()

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 def build_model(model_cfg: ModelConfig, cache: ReadableCache, device: torch.device) -> nn.Module:
     """The drafter on ``device`` in fp32 (master weights); only its own layers are trainable."""
-    from ..models.model import build_drafter
+    from ..models.factory import build_drafter
 
     model = build_drafter(model_cfg, cache.spec, cache.load_head()).to(device)
     for p in model.parameters():  # fp32 master weights; the frozen head buffers keep their dtype (memory)

@@ -69,8 +69,12 @@ class DFlashConfig:
     max_position_embeddings: int = _MODEL_DEFAULTS.max_position_embeddings
     layer_types: list[str] | None = None
     sliding_window: int | None = None
-    # how sliding_attention layers attend within the draft block; full_attention layers are always bidirectional
+    # how sliding_attention / full_attention layers attend within the draft block: "bidirectional" or "causal".
+    # Full layers are causal only in a released drafter whose config.json says ``is_causal: true``.
     sliding_within_block: str = "bidirectional"
+    full_within_block: str = "bidirectional"
+    # the block's token embeddings are multiplied by it (``dflash_config.input_embedding_scale``, as the reference)
+    input_embedding_scale: float = 1.0
     attention_bias: bool = False
     # the drafter family and its DFlash2 modules (train.models.dflash2); the logit transform applies to both families
     arch: str = "dflash"
@@ -103,8 +107,15 @@ class DFlashConfig:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if "sliding_attention" in (self.layer_types or []) and not self.sliding_window:
             problems.append("sliding_attention layers need sliding_window > 0")
-        if self.sliding_within_block not in ("bidirectional", "causal"):
-            problems.append(f"sliding_within_block must be 'bidirectional' or 'causal', got {self.sliding_within_block!r}")
+        for name in ("sliding_within_block", "full_within_block"):
+            if getattr(self, name) not in ("bidirectional", "causal"):
+                problems.append(f"{name} must be 'bidirectional' or 'causal', got {getattr(self, name)!r}")
+        if (self.full_within_block == "causal" and self.sliding_within_block == "bidirectional"
+                and "sliding_attention" in (self.layer_types or [])):
+            problems.append("full_within_block 'causal' with bidirectional sliding layers: no serving engine's key "
+                            "says that (is_causal makes every layer causal); make the sliding layers causal too")
+        if not (math.isfinite(self.input_embedding_scale) and self.input_embedding_scale > 0):
+            problems.append(f"input_embedding_scale must be a finite number > 0, got {self.input_embedding_scale}")
         if self.arch not in ARCHITECTURES:
             problems.append(f"arch must be one of {sorted(ARCHITECTURES)}, got {self.arch!r}")
         if self.arch == "dflash2" and self.hidden_size % self.conv_group_size:
@@ -117,9 +128,20 @@ class DFlashConfig:
         return self.layer_types[idx] if self.layer_types else "full_attention"
 
     def within_block(self, idx: int) -> WithinBlock:
-        """The within-block rule of layer ``idx``: bidirectional, or causal for sliding layers if configured."""
-        sliding = self.layer_type(idx) == "sliding_attention"
-        return "causal" if sliding and self.sliding_within_block == "causal" else "bidirectional"
+        """The within-block rule of layer ``idx``: its layer type's (``sliding_within_block`` / ``full_within_block``)."""
+        rule = self.sliding_within_block if self.layer_type(idx) == "sliding_attention" else self.full_within_block
+        return "causal" if rule == "causal" else "bidirectional"
+
+    def causality_keys(self) -> dict[str, bool]:
+        """The causality switches a serving engine reads (docs/serving.md), for this drafter's rules: none where
+        the engines' default (sliding layers causal, full layers bidirectional) is the rule, else ``is_causal`` and
+        ``dflash_config.causal`` (vLLM versions before ``is_causal``) with the one value every layer has."""
+        kinds = {self.layer_type(i) for i in range(self.num_hidden_layers)}
+        rules = {self.within_block(i) for i in range(self.num_hidden_layers)}
+        default = {("causal" if k == "sliding_attention" else "bidirectional") for k in kinds}
+        if rules == default:
+            return {}
+        return {"is_causal": rules == {"causal"}}
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` of an exported drafter, in the released DFlash drafters' layout."""
@@ -155,8 +177,13 @@ class DFlashConfig:
             "use_sliding_window": uses_sliding,
             "vocab_size": self.vocab_size,
         }
-        if uses_sliding:  # the within-block rule of sliding layers (full layers are always bidirectional)
+        if uses_sliding:  # the within-block rule of sliding layers, for the shipped dflash.py
             out["dflash_config"]["sliding_within_block"] = self.sliding_within_block
+        for key, value in self.causality_keys().items():  # the switches the serving engines read
+            out[key] = value
+            out["dflash_config"]["causal"] = value  # vLLM versions that predate is_causal
+        if self.input_embedding_scale != 1.0:
+            out["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
         out["dflash_config"].update(self.family_hf_fields())
         for key, value in self.extra.items():
             out.setdefault(key, value)
@@ -191,6 +218,9 @@ class DFlashConfig:
                                   ("dflash_config.target_layer_ids", layer_ids)) if v is None]
         if missing:
             raise ConfigError(f"drafter config.json lacks {', '.join(missing)}")
+        refuse_unsupported_fields(d)
+        sliding_rule, full_rule = released_within_block(d)
+        scale = dc.get("input_embedding_scale", d.get("input_embedding_scale", 1.0))
         known = {f.name for f in cls.__dataclass_fields__.values()}
         extra = {k: v for k, v in d.items() if k not in known and k not in _HF_ONLY_KEYS
                  and k not in _DERIVED_HF_KEYS}
@@ -207,7 +237,8 @@ class DFlashConfig:
             max_position_embeddings=d.get("max_position_embeddings", _MODEL_DEFAULTS.max_position_embeddings),
             layer_types=d.get("layer_types"),
             sliding_window=d.get("sliding_window"), attention_bias=bool(d.get("attention_bias", False)),
-            sliding_within_block=str(dc.get("sliding_within_block", "bidirectional")), extra=extra,
+            sliding_within_block=sliding_rule, full_within_block=full_rule,
+            input_embedding_scale=float(scale if scale is not None else 1.0), extra=extra,
             arch=by_name[name], output_multiplier=float(dc.get("output_multiplier", 1.0)),
             final_logit_softcapping=dc.get("final_logit_softcapping"),
             **{k: int(dc[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
@@ -226,6 +257,95 @@ _DERIVED_HF_KEYS = {
     "attention_dropout", "hidden_act", "initializer_range", "max_window_layers", "rope_scaling",
     "rope_parameters", "tie_word_embeddings", "use_cache", "use_sliding_window", "transformers_version", "is_causal",
 }
+
+# The dflash_config keys this product reads; any other is a switch some DFlash reader may apply and we do not.
+_DFLASH_CONFIG_KEYS = {
+    "target_layer_ids", "mask_token_id", "block_size", "num_target_layers", "sliding_within_block", "causal",
+    "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "conv_kernel_size", "conv_group_size",
+    "selector_top_k", "selector_rank",
+}
+# Fields a serving engine reads for some drafters that this product does not implement, with their neutral values
+# (a config holding one of those values means what it would without the field).
+UNSUPPORTED_ENGINE_FIELDS: dict[str, tuple[Any, ...]] = {
+    "attention_sink_bias": (None, False),
+    "attention_value_scale": (None, 1.0),
+    "swa_window_size": (None,),
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def refuse_unsupported_fields(d: dict[str, Any]) -> None:
+    """A released ``config.json`` must not ask for what the drafter here does not compute: name every such field
+    (an engine field with a non-neutral value, an unknown ``dflash_config`` key, a layer type or RoPE type other
+    than the drafter's) instead of training a different model than the one that is served."""
+    dc = d.get("dflash_config") or {}
+    problems = []
+    for name, neutral in UNSUPPORTED_ENGINE_FIELDS.items():
+        for where, value in ((name, d.get(name)), (f"dflash_config.{name}", dc.get(name))):
+            if not any(value is n or (n is not None and value == n and not isinstance(value, bool)) for n in neutral):
+                problems.append(f"{where} = {value!r} (not implemented here)")
+    problems += [f"dflash_config.{k} (unknown to this trainer)" for k in sorted(set(dc) - _DFLASH_CONFIG_KEYS)
+                 if k not in UNSUPPORTED_ENGINE_FIELDS]
+    problems += [f"layer_types entry {t!r} (expected {' or '.join(_LAYER_TYPES)})"
+                 for t in sorted(set(d.get("layer_types") or [])) if t not in _LAYER_TYPES]
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = d.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        if kind != "default":
+            problems.append(f"{key} type {kind!r} (only the default RoPE is implemented)")
+    if problems:
+        raise ConfigError("drafter config.json asks for what this trainer does not implement: " + "; ".join(problems)
+                          + "; a drafter trained without it would not be the one the engines serve")
+
+
+def _reader_rules(flag: Any) -> dict[str, str]:
+    """The within-block rule per layer type under one causality switch: absent = the engines' default (sliding
+    layers causal, full layers bidirectional), true / false = every layer causal / bidirectional."""
+    return {"sliding_attention": "bidirectional" if flag is False else "causal",
+            "full_attention": "causal" if flag else "bidirectional"}
+
+
+def released_within_block(d: dict[str, Any]) -> tuple[str, str]:
+    """``(sliding rule, full rule)`` of a drafter ``config.json`` as its readers apply it (docs/serving.md): the DFlash
+    reference (dflash 0.1.0) and SGLang read the top-level ``is_causal``, vLLM ``is_causal`` else
+    ``dflash_config.causal``; without either, sliding layers are causal and full layers bidirectional. A config the
+    readers would read differently, or whose ``dflash_config.sliding_within_block`` (this product's key) says
+    otherwise than they do, is refused: which rule it was trained with cannot be known."""
+    dc = d.get("dflash_config") or {}
+    is_causal, causal = d.get("is_causal"), dc.get("causal")
+    for name, value in (("is_causal", is_causal), ("dflash_config.causal", causal)):
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"drafter config.json: {name} = {value!r}; expected true, false or no key")
+    kinds = set(d.get("layer_types") or ["full_attention"])
+    reference = {k: v for k, v in _reader_rules(is_causal).items() if k in kinds}
+    vllm = {k: v for k, v in _reader_rules(is_causal if is_causal is not None else causal).items() if k in kinds}
+    if reference != vllm:
+        raise ConfigError(
+            f"drafter config.json: dflash_config.causal = {str(causal).lower()} without is_causal: the DFlash reference "
+            f"and SGLang read its layers as {reference}, vLLM as {vllm}; add is_causal (true or false: the rule the "
+            "drafter was trained with), which every reader takes first")
+    ours = dc.get("sliding_within_block")
+    if ours is not None and "sliding_attention" in kinds and ours != reference["sliding_attention"]:
+        raise ConfigError(
+            f"drafter config.json: dflash_config.sliding_within_block = {ours!r}, but is_causal = "
+            f"{'absent' if is_causal is None else str(is_causal).lower()} makes the serving engines run sliding layers "
+            f"{reference['sliding_attention']}; make the two agree (is_causal: false is the bidirectional rule)")
+    return reference.get("sliding_attention", "bidirectional"), reference.get("full_attention", "bidirectional")
+
+
+def unservable_layers(cfg: DFlashConfig) -> list[int]:
+    """Target layer ids SGLang cannot capture: its Qwen3 capture stops before the teacher's last layer."""
+    return [i for i in cfg.target_layer_ids if i >= cfg.num_target_layers - 1]
+
+
+def warn_unservable_layers(cfg: DFlashConfig, where: str) -> None:
+    """Warn when ``cfg`` reads the teacher's last layer, which SGLang never captures (docs/serving.md)."""
+    bad = unservable_layers(cfg)
+    if bad:
+        log.warning("%s: target_layer_ids %s include the teacher's last layer (%d of %d layers); SGLang's capture never "
+                    "reaches it, so SGLang cannot serve this drafter (transformers and vLLM can); choose layers below "
+                    "%d to serve with SGLang", where, bad, cfg.num_target_layers - 1, cfg.num_target_layers,
+                    cfg.num_target_layers - 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,8 +556,11 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(m.weight)
 
     def embed(self, ids: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """ids [...] -> [..., H] in ``dtype`` (default: the parameters' dtype)."""
-        return F.embedding(ids, self.embed_tokens).to(dtype or self.fc.weight.dtype)
+        """ids [...] -> [..., H] in ``dtype`` (default: the parameters' dtype), times ``input_embedding_scale``."""
+        x = F.embedding(ids, self.embed_tokens)
+        if self.config.input_embedding_scale != 1.0:  # as the reference scales its noise embedding
+            x = x * self.config.input_embedding_scale
+        return x.to(dtype or self.fc.weight.dtype)
 
     def fuse_context(self, features: Tensor) -> Tensor:
         """features [R, T, n*H] (bf16 from the cache) -> fused context [R, T, H]."""
@@ -553,32 +676,6 @@ def drafter_config(model_cfg: Any, spec: Any) -> DFlashConfig:
     )
 
 
-def drafter_class(cfg: DFlashConfig) -> type[DFlashDrafter]:
-    """The drafter module of ``cfg.arch``."""
-    if cfg.arch == "dflash2":
-        from .dflash2 import DFlash2Drafter
-
-        return DFlash2Drafter
-    return DFlashDrafter
-
-
-def build_drafter(model_cfg: Any, spec: Any, head: tuple[Tensor, Tensor]) -> DFlashDrafter:
-    """A fresh drafter (or ``model_cfg.init_from``'s released weights) for the cache ``spec``.
-
-    ``head`` is ``(embed_tokens [V, H], lm_head [V, H])`` from ``cache.load_head()``."""
-    cfg = drafter_config(model_cfg, spec)
-    if model_cfg.init_from:
-        released = read_drafter_config(model_cfg.init_from)
-        check_compatible(released, cfg, source=str(model_cfg.init_from))
-        cfg = released
-    model = drafter_class(cfg)(cfg, head[0], head[1], attention=model_cfg.attention,
-                               activation_checkpointing=model_cfg.activation_checkpointing)
-    if model_cfg.init_from:
-        load_drafter_weights(model, Path(model_cfg.init_from) / "model.safetensors")
-        log.info("initialised the drafter from %s", model_cfg.init_from)
-    return model
-
-
 def check_compatible(found: DFlashConfig, expected: DFlashConfig, source: str) -> None:
     """A drafter (checkpoint / released dir) must match the cache it is used with; name every field that does not."""
     fields = ["arch", "hidden_size", "target_layer_ids", "vocab_size", "block_size", "mask_token_id",
@@ -675,11 +772,3 @@ def read_drafter_config(directory: str | Path) -> DFlashConfig:
         if not p.is_file():
             raise ConfigError(f"{d} is not a drafter directory: {p.name} is missing (expected config.json + model.safetensors)")
     return DFlashConfig.from_hf_dict(json.loads(cfg_path.read_text()))
-
-
-def load_drafter_dir(directory: str | Path, head: tuple[Tensor, Tensor], attention: str = "auto") -> DFlashDrafter:
-    """Load an exported or released drafter directory with the given frozen target head."""
-    cfg = read_drafter_config(directory)
-    model = drafter_class(cfg)(cfg, head[0], head[1], attention=attention)
-    load_drafter_weights(model, Path(directory) / "model.safetensors")
-    return model

@@ -14,10 +14,12 @@ Two measurements of the same quantity, the acceptance length tau (tokens per tar
   kept. The output must equal the teacher's plain greedy decoding token for token (any difference is
   an error: the decoding is lossless).
 
-Live tau follows the DFlash reference's convention (:data:`TAU_CONVENTION`): a cycle's count is the
-drafts it kept + 1, never cut by the token budget or a stop token (the output is cut, the count is
-not); cycles run until more than ``max_new_tokens`` tokens exist or a stop token appears, the first
-one always; a prompt's tau is the mean over its cycles and the overall tau the mean over prompts.
+Live tau follows the DFlash reference's convention (z-lab/dflash 44947fb, :data:`TAU_CONVENTION`): a cycle's
+count is the drafts it kept + 1, never cut by the token budget or a stop token (the output is cut, the count
+is not); cycles run until more than ``max_new_tokens`` tokens exist or a stop token appears, the first one
+always; a prompt's tau is the mean over its cycles and the overall tau the mean over prompts. The ``dflash``
+0.1.0 package, whose benchmark the published model cards quote, counts otherwise (:data:`CARD_TAU_CONVENTION`,
+:func:`card_cycles`): ``--card-tau`` reports that figure too, from the same cycles.
 """
 
 from __future__ import annotations
@@ -52,8 +54,39 @@ TAU_CONVENTION = (
     "live tau = mean over prompts of the prompt's mean accepted tokens per draft-verify cycle; a cycle counts "
     "the drafts it kept + 1 (the teacher's own token) in full, also the last one, whose tokens past the budget "
     "or a stop token are dropped from the output; cycles run until more than max_new_tokens tokens exist or a "
-    "stop token appears (the DFlash reference's dflash_generate + benchmark convention)"
+    "stop token appears (the DFlash reference's dflash_generate + benchmark convention, z-lab/dflash 44947fb; "
+    "spec_generate of the exported dflash.py counts the same)"
 )
+
+
+CARD_TAU_CONVENTION = (
+    "card tau = the dflash 0.1.0 package's dflash_generate + benchmark convention (the published model cards'): "
+    "a cycle counts the tokens it adds to the output, the last one clipped at the budget and after the first stop "
+    "token; cycles run while fewer than max_new_tokens tokens exist (a prompt whose first token stops has none and "
+    "is left out of the mean); replayed from the same cycles as tau (the package drafts its last cycle with a "
+    "block cut to the budget, which can accept fewer there)"
+)
+
+
+def card_cycles(accepted_per_cycle: Sequence[int], generated: Sequence[int], max_new_tokens: int,
+                eos: set[int]) -> list[int]:
+    """The cycle counts of :data:`CARD_TAU_CONVENTION` from a run's full counts and its ``generated`` tokens (the
+    first being the prefill's). Each cycle adds its tokens after the ``have`` tokens so far, at most the budget's
+    remainder, up to and including the first stop token; none runs once the budget is reached or a stop seen."""
+    out: list[int] = []
+    have = 1
+    if not generated or generated[0] in eos:
+        return out
+    for n in accepted_per_cycle:
+        if have >= max_new_tokens:
+            break
+        produced = min(n, max_new_tokens - have)
+        stop = next((i + 1 for i, t in enumerate(generated[have:have + produced]) if t in eos), None)
+        out.append(stop or produced)
+        have += stop or produced
+        if stop:
+            break
+    return out
 
 
 class LosslessnessError(DFlashError):
@@ -371,6 +404,8 @@ def live_eval(model: Drafter, teacher: Any, prompts: Sequence[list[int]], *, max
     """Speculative decoding on every prompt. Greedy (``sampling`` None or temperature 0): checked token for
     token against the teacher's greedy output. Sampled: speculative sampling (lossless in distribution, which
     tests/test_sampling.py checks statistically), drawing from one generator seeded with ``seed``."""
+    if max_new_tokens < 1:  # no cycle to count (spec_generate refuses it too)
+        raise ConfigError(f"live decoding: max_new_tokens must be >= 1, got {max_new_tokens}")
     was_training = model.training
     model.eval()
     result = LiveResult()
@@ -411,7 +446,7 @@ def live_eval(model: Drafter, teacher: Any, prompts: Sequence[list[int]], *, max
 
 def load_for_eval(checkpoint: str, cache: ReadableCache, attention: str = "auto", device: torch.device | None = None) -> Any:
     """A drafter from a checkpoint / run dir / drafter dir, checked against ``cache`` (names the field)."""
-    from ..models.model import drafter_class
+    from ..models.factory import drafter_class
     from .export import config_for, load_weights
 
     loaded = load_weights(checkpoint)
@@ -449,7 +484,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = asdict(tf)
     if args.live:
         report["live"] = run_live(model, cfg.eval, cfg.teacher, cache, ids, prompt_source=args.samples,
-                                  sampling=sampling, seed=args.seed)
+                                  sampling=sampling, seed=args.seed, card_tau=args.card_tau)
     if args.json:
         print(json.dumps(report))
     else:
@@ -464,11 +499,14 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
                      f"; sampled at T={sampling.temperature:g} (top-p {sampling.top_p:g}, top-k {sampling.top_k}): "
                      "lossless in distribution"))
             print(f"  ({TAU_CONVENTION})")
+            if args.card_tau:
+                print(f"live card tau {live['tau_card']:.3f} over {live['card_prompts']} prompts ({CARD_TAU_CONVENTION})")
     return 0
 
 
 def run_live(model: Drafter, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, cache: ReadableCache, sample_ids: Sequence[int],
-             prompt_source: str = "holdout", sampling: SamplingParams | None = None, seed: int = 0) -> dict[str, Any]:
+             prompt_source: str = "holdout", sampling: SamplingParams | None = None, seed: int = 0,
+             card_tau: bool = False) -> dict[str, Any]:
     """Live speculative decoding on ``eval.live_prompts`` prompts from ``sample_ids`` (the held-out ones,
     unless the caller says otherwise in ``prompt_source``) with the teacher of ``teacher_cfg``; the ``--json``
     document's ``live`` entry."""
@@ -491,7 +529,11 @@ def run_live(model: Drafter, eval_cfg: EvalConfig, teacher_cfg: TeacherConfig, c
                     layer_ids=list(cache.spec.target_layer_ids), sample_ids=[i for i, _ in prompts],
                     sampling=sampling, seed=seed)
     sampled = sampling is not None and not sampling.greedy
-    return {
+    card = [card_cycles(p.accepted_per_cycle, p.generated, eval_cfg.live_max_new_tokens, eos) for p in res.prompts]
+    card_taus = [sum(c) / len(c) for c in card if c]  # the package's benchmark leaves out prompts without a cycle
+    extra = {"tau_card": sum(card_taus) / max(1, len(card_taus)), "card_prompts": len(card_taus),
+             "tau_card_convention": CARD_TAU_CONVENTION, "card_cycles": card} if card_tau else {}
+    return {**extra,
         "tau": res.tau, "tau_convention": TAU_CONVENTION, "prompt_source": prompt_source,
         "tau_per_prompt": [p.tau for p in res.prompts],
         "generated_tokens": [len(p.generated) for p in res.prompts],

@@ -7,10 +7,11 @@ no lm_head: the engine uses the target's), plus ``dflash.py``, the transformers 
 ``config.json``'s ``auto_map`` names, so ``AutoModel.from_pretrained(out, trust_remote_code=True)``
 loads it (docs/serving.md). A run directory means its latest committed checkpoint.
 
-Sliding-window layers: the engines infer the within-block rule from the layer type unless told
-(sliding = causal in both SGLang and vLLM by default), so a drafter whose sliding layers are
-bidirectional within the block also gets ``is_causal: false`` and ``dflash_config.causal: false``,
-the explicit switches they read.
+Within-block causality: the engines infer the rule from the layer type unless told (sliding = causal,
+full = bidirectional in the reference, SGLang and vLLM by default), so a drafter whose layers differ from
+that default also gets ``is_causal`` and ``dflash_config.causal``, the explicit switches they read
+(``DFlashConfig.causality_keys``). A drafter whose ``target_layer_ids`` include the teacher's last layer
+exports with a warning: SGLang cannot serve it.
 
 The drafter config needs the target's vocabulary size and layer ids, which live in the cache spec:
 they are read from the checkpoint's weights metadata when present, else from ``--cache``.
@@ -36,15 +37,16 @@ from dflash_cache.runtime.schema import PipelineConfig
 
 from ..cli_args import export_parser as build_parser
 from ..components.checkpoint import MANIFEST_FILE
+from ..models.factory import drafter_class
 from ..models.model import (
     METADATA_KEY,
     DFlashConfig,
     check_compatible,
-    drafter_class,
     drafter_config,
     from_contract_names,
     read_drafter_config,
     save_drafter_weights,
+    warn_unservable_layers,
 )
 
 log = logging.getLogger(__name__)
@@ -59,15 +61,9 @@ def modeling_source() -> Path:
 
 
 def serving_config(cfg: DFlashConfig, dtype: str) -> dict[str, Any]:
-    """``config.json``: the drafter config plus the switches serving engines read for causality."""
+    """``config.json``: the drafter config (with the switches serving engines read for causality) in ``dtype``."""
     hf = cfg.to_hf_dict()
     hf["dtype"] = dtype
-    hf.pop("is_causal", None)
-    hf["dflash_config"].pop("causal", None)
-    sliding = "sliding_attention" in hf["layer_types"]
-    if sliding and cfg.sliding_within_block == "bidirectional":
-        hf["is_causal"] = False  # SGLang and vLLM: every layer non-causal within the block
-        hf["dflash_config"]["causal"] = False  # vLLM versions that predate is_causal
     return hf
 
 
@@ -188,6 +184,7 @@ def export_drafter(state: dict[str, Tensor], cfg: DFlashConfig, out: str | Path,
     if dtype not in _DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
     check_weights(state, cfg, "export")
+    warn_unservable_layers(cfg, "export")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} exists and is not empty; choose another --out or pass --overwrite")

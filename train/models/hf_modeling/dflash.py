@@ -20,9 +20,14 @@ It depends on torch and transformers only. It computes what the drafter was trai
 * attention rule: a query at absolute position p sees a key at position q when
   - the layer has a sliding window W: ``|p - q| < W`` (the window bounds how far back into the
     context a query sees, and the distance inside the block);
-  - the layer is sliding and ``dflash_config.sliding_within_block == "causal"``: ``q <= p``.
-  Everything else is visible: full-attention layers, and by default (``"bidirectional"``, also when
-  the key is absent) sliding layers too, attend to every position of the block.
+  - the layer is causal within the block: ``q <= p``. As the DFlash reference (dflash 0.1.0) and the
+    serving engines read it: the top-level ``is_causal`` (true: every layer, false: none); without it,
+    sliding layers are causal and full-attention layers bidirectional. ``dflash_config.sliding_within_block``
+    (written by ``dflash-train export`` beside ``is_causal``) says the sliding layers' rule outright.
+  Everything else is visible.
+
+The block's token embeddings are multiplied by ``dflash_config.input_embedding_scale`` (default 1), as the
+reference does.
 
 DFlash2 (``architectures: ["DFlash2DraftModel"]``, auto_map ``dflash.DFlash2DraftModel``) adds, with the
 reference's tensor names and ``dflash_config`` fields:
@@ -55,6 +60,27 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, Qwen3Config
 
 SLIDING_WITHIN_BLOCK = ("bidirectional", "causal")
+
+
+def within_block_causal(config: Qwen3Config, sliding: bool) -> bool:
+    """Whether a sliding (or full-attention) layer is causal within the block: ``dflash_config.sliding_within_block``
+    for sliding layers when present, else the top-level ``is_causal`` as the DFlash reference reads it (absent:
+    sliding layers causal, full layers bidirectional)."""
+    dc = dict(getattr(config, "dflash_config", None) or {})
+    rule = dc.get("sliding_within_block")
+    if sliding and rule is not None:
+        if rule not in SLIDING_WITHIN_BLOCK:
+            raise ValueError(f"dflash_config.sliding_within_block = {rule!r}: expected one of {list(SLIDING_WITHIN_BLOCK)}")
+        return rule == "causal"
+    is_causal = getattr(config, "is_causal", None)
+    return sliding if is_causal is None else bool(is_causal)
+
+
+def input_embedding_scale(config: Qwen3Config) -> float:
+    """``dflash_config.input_embedding_scale`` (else a top-level one, else 1), as the reference reads it."""
+    dc = dict(getattr(config, "dflash_config", None) or {})
+    scale = dc.get("input_embedding_scale", getattr(config, "input_embedding_scale", None))
+    return 1.0 if scale is None else float(scale)
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
@@ -174,7 +200,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int, sliding_within_block: str):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
         H = config.hidden_size
         self.layer_idx = layer_idx
@@ -190,7 +216,7 @@ class DFlashAttention(nn.Module):
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         sliding = layer_types[layer_idx] == "sliding_attention"
         self.window: int | None = int(config.sliding_window) if sliding else None
-        self.causal = sliding and sliding_within_block == "causal"
+        self.causal = within_block_causal(config, sliding)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         B, L, _ = x.shape
@@ -244,9 +270,9 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int, sliding_within_block: str):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
-        self.self_attn = DFlashAttention(config, layer_idx, sliding_within_block)
+        self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = DFlashMLP(config)
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -269,9 +295,11 @@ class DFlashGeneration:
     """What ``spec_generate(..., return_stats=True)`` returns.
 
     ``acceptance_lengths``: tokens produced by each draft-verify cycle (accepted drafts + the target's
-    own token), counted in full as the DFlash reference counts them, also for the last cycle whose tokens
-    past the budget or a stop token are dropped from the output; cycles run until more than
-    ``max_new_tokens`` tokens exist. ``tau`` is their mean."""
+    own token), counted in full as the DFlash reference (z-lab/dflash 44947fb) and ``dflash-train eval --live``
+    count them, also for the last cycle whose tokens past the budget or a stop token are dropped from the
+    output; the first cycle always runs (also when the prefill's token is a stop token), and cycles run until
+    more than ``max_new_tokens`` tokens exist or a stop token appears. ``tau`` is their mean. (The ``dflash``
+    0.1.0 package clips the last cycle instead: ``eval --live --card-tau`` reports that convention.)"""
 
     output_ids: torch.Tensor  # [1, P + generated]
     num_input_tokens: int
@@ -302,17 +330,13 @@ class DFlashDraftModel(PreTrainedModel):
         mask_id = dc.get("mask_token_id", getattr(config, "mask_token_id", None))
         self.mask_token_id = None if mask_id is None else int(mask_id)
         self.block_size = int(dc.get("block_size", getattr(config, "block_size", 16)))
-        self.sliding_within_block = str(dc.get("sliding_within_block", "bidirectional"))
-        if self.sliding_within_block not in SLIDING_WITHIN_BLOCK:
-            raise ValueError(f"dflash_config.sliding_within_block = {self.sliding_within_block!r}: "
-                             f"expected one of {list(SLIDING_WITHIN_BLOCK)}")
+        self.input_embedding_scale = input_embedding_scale(config)
         self.rope_theta = _rope_theta(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         H = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = DFlashRMSNorm(H, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, self.sliding_within_block)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(H, config.rms_norm_eps)
         self.post_init()
 
@@ -344,6 +368,11 @@ class DFlashDraftModel(PreTrainedModel):
             h = layer(h, ctx, rope_q=rope_q, rope_k=rope_k, q_pos=q_pos, k_pos=k_pos,
                       past_key_values=past_key_values, attention_mask=attention_mask)
         return self.norm(h)
+
+    def embed_block(self, embed: nn.Module, block: torch.Tensor) -> torch.Tensor:
+        """The block's noise embedding [1, B, H]: the target's embedding times ``input_embedding_scale``."""
+        x = embed(block).to(self.device)
+        return x * self.input_embedding_scale if self.input_embedding_scale != 1.0 else x
 
     def compute_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         """Unary logits [B, L, V] of hidden [B, L, H]: the target's lm_head, ``* output_multiplier``, then
@@ -391,6 +420,8 @@ class DFlashDraftModel(PreTrainedModel):
             raise ValueError(f"spec_generate decodes one prompt: input_ids must be [1, P], got {tuple(input_ids.shape)}")
         if self.mask_token_id is None:
             raise ValueError("config.json has no dflash_config.mask_token_id")
+        if int(max_new_tokens) < 1:  # no cycle would run: tau would be undefined
+            raise ValueError(f"spec_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         device = input_ids.device
         B, P = self.block_size, input_ids.shape[1]
         max_length = P + max_new_tokens
@@ -414,13 +445,11 @@ class DFlashDraftModel(PreTrainedModel):
         draft_cache = DynamicCache()
         result = DFlashGeneration(output_ids, P)
         start = P  # position of the last accepted token, the block's first row
-        stopped = bool(torch.isin(output_ids[0, P:P + 1], stops).any())
-        if stopped:  # the target's first token stops: one cycle of one token, as eval --live counts it
-            result.acceptance_lengths.append(1)
+        stopped = False  # a stop token as the prefill's token still runs the first cycle (as eval --live, 44947fb)
         while start < max_length and not stopped:  # until more than max_new_tokens tokens exist
             block = output_ids[:, start:start + B].clone()  # [1, B]: [last token, MASK, ...]
             cached = draft_cache.get_seq_length()
-            hidden = self(position_ids=positions[:, cached:start + B], noise_embedding=embed(block).to(self.device),
+            hidden = self(position_ids=positions[:, cached:start + B], noise_embedding=self.embed_block(embed, block),
                           target_hidden=ctx.to(self.device), past_key_values=draft_cache)  # [1, B, H]
             _crop(draft_cache, start)  # keep the context only
             drafts, q = self.draft(hidden[:, 1:], block[:, 0], head, temperature, top_p, top_k, generator)
@@ -436,7 +465,8 @@ class DFlashDraftModel(PreTrainedModel):
                 accepted, nxt = speculative_sampling(block[0, 1:].cpu(), q, p, generator)
             output_ids[:, start:start + accepted + 1] = block[:, :accepted + 1]
             output_ids[:, start + accepted + 1] = nxt
-            stopped = bool(torch.isin(output_ids[0, start + 1:start + accepted + 2], stops).any())
+            # from ``start``: the first cycle's anchor is the prefill's token, which may be a stop token
+            stopped = bool(torch.isin(output_ids[0, start:start + accepted + 2], stops).any())
             start += accepted + 1
             _crop(target_cache, start)
             result.acceptance_lengths.append(accepted + 1)
