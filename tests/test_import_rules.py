@@ -86,3 +86,73 @@ def test_the_import_scan_sees_relative_imports():
     found = _imports("train")
     assert ("train/loop/loop.py", "train.components.checkpoint") in found
     assert ("train/models/distill.py", "train.models.objective") in found
+
+
+def _module_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports, every import counted (inside functions and
+    under ``TYPE_CHECKING`` too: a deferred import is still a circle), ``from . import x`` resolved to the
+    module ``x`` where there is one."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join([*here[: len(here) - (node.level - 1)], *([node.module] if node.module else [])]) \
+                    if node.level else node.module
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                # a module importing its own parent package is how packages re-export: not counted
+                if name and name != mod and not mod.startswith(name + "."):
+                    deps.add(name)
+        graph[mod] = deps
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                out.append(sorted([v, *comp]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_inside_a_package():
+    for package in BOUNDARIES:
+        assert _circles(_module_graph(package)) == [], package
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
+    assert _circles(graph) == [["p.a", "p.b", "p.c"]]
+    cache = _module_graph("dflash_cache")
+    assert "dflash_cache.locks" in cache["dflash_cache.lease"]  # `from . import locks` resolved to the module
