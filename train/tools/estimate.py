@@ -654,9 +654,9 @@ def format_report(r: EstimateReport) -> str:
         f"  activations saved for backward {human(p.activations):>12}  ({s.layers} layers"
         f"{', checkpointed: inputs only' if p.recomputed_layer else f', {human(p.per_layer)} per layer'})",
         f"  recomputed layer               {human(p.recomputed_layer):>12}",
-        f"  attention workspace            {human(p.attention_workspace):>12}",
         f"  loss head (logits chunk ...)   {human(p.loss_head):>12}",
-        f"  one layer's backward           {human(p.backward_working_set):>12}",
+        f"  one layer's backward           {human(p.backward_working_set):>12}  (gradients of its weights and activations;"
+        f" attention workspace {human(p.attention_workspace)} of it)",
         f"  static (weights, moments, head, batch) {human(p.static)}; on top of it, per phase: "
         + ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in p.phases.items()),
         f"  peak: {human(p.device_peak)} (median step {human(r.median.device_peak)}) of {human(r.gpu_memory_bytes)} "
