@@ -102,6 +102,18 @@ MUTANTS = [
     Mutant("rank-watch-exit-under-store-call", "a finished rank exits cleanly: its alive thread has left the store",
            "train/components/multinode.py", (("        thread.join(timeout=2 * self.interval_s + 5)\n", ""),),
            ("tests/test_multinode.py::test_a_rank_exiting_while_its_alive_thread_is_in_a_store_call_exits_cleanly",)),
+    Mutant("estimate-backward-bf16-and-fp32-grads", "one layer's backward: weight gradients net of the freed bf16 copies",
+           "train/tools/estimate.py", (("            return n * (precision.param_bytes - 2) + largest * 2\n",
+                                        "            return n * (precision.param_bytes + 2)\n"),),
+           ("tests/test_estimate.py::test_each_phase_holds_at_shapes_the_estimate_was_not_fitted_on",)),
+    Mutant("train-runs-extraction-checks", "dflash-train does not check extraction's settings",
+           "dflash_cache/runtime/schema.py", (("        if command in (None, EXTRACT_COMMAND):\n",
+                                               "        if True:\n"),),
+           ("tests/test_config_per_command.py::test_training_a_cache_longer_than_the_extraction_budget",)),
+    Mutant("object-store-fixed-order", "bench_object_store rotates the stores' order every round",
+           "bench/bench_object_store.py", (("            order = names[r % len(names):] + names[:r % len(names)]\n",
+                                            "            order = names\n"),),
+           ("tests/test_bench_scripts.py::test_bench_object_store_runs_every_store_and_reports_requests",)),
 ]
 
 
