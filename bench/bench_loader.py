@@ -3,9 +3,10 @@
 All figures come from one run over the same synthetic cache: realistic long-tailed lengths
 (log-normal, 50-3000 tokens) and the 27B teacher's width (5 layers x 5120 = 51,200 B/token).
 
-    python bench/bench_loader.py [--tokens 40000] [--workdir /tmp/bench_loader]
+    python bench/bench_loader.py [--tokens 32000] [--rounds 3] [--epochs 3] [--workdir /tmp/bench_loader]
 
-Prints a table and writes bench/results/bench_loader.json. The page cache is warm for every
+Prints a table and writes bench/results/bench_loader.json: every configuration once per round, the order
+rotated each round, each figure the median [range] over rounds, each ratio taken within a round. The page cache is warm for every
 timed pass (one untimed pass first), so this measures the CPU cost of reading, not the disk.
 The per-sample-file baseline is a standard torch DataLoader (0 or 2 worker processes) over the
 same plan's batches, collated by the same function. The machine may be shared: the load average
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -158,7 +160,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32_000, help="tokens in the synthetic cache")
     ap.add_argument("--tokens-per-batch", type=int, default=8192)
-    ap.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration")
+    ap.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration and round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (every configuration once each)")
     ap.add_argument("--workdir", default="/tmp/bench_loader")
     ap.add_argument("--keep", action="store_true", help="keep the caches and files")
     args = ap.parse_args()
@@ -173,19 +176,36 @@ def main() -> None:
     res["cache"] = {"samples": len(lengths), "tokens": int(sum(lengths)), "build_s": time.perf_counter() - t0,
                     "zstd_bytes": _du(work / "cache-zstd"), "raw_bytes": _du(work / "cache-raw"),
                     "files_bytes": _du(work / "files")}
-    runs = {}
-    for n in (1, 2):  # interleaved: one-core configurations, then two-core ones
-        runs[f"files_dataloader_{2 * (n - 1)}w"] = time_files(work / "files", zstd, args.tokens_per_batch,
-                                                              2 * (n - 1), args.epochs)
+    configs = {f"files_dataloader_{w}w": (time_files, (work / "files", zstd, args.tokens_per_batch, w, args.epochs))
+               for w in (0, 2)}
+    for n in (1, 2):
         for name, url in (("zstd", zstd), ("raw", raw)):
-            runs[f"loader_{name}_{n}r"] = time_loader(url, args.tokens_per_batch, n, args.epochs)
-    res["throughput"] = {k: {"tokens_per_s": v[0], "feature_gbps": v[1], "gb_per_cpu_s": v[2]}
-                         for k, v in runs.items()}
-    per_core = {k: runs[f"loader_{k}_1r"][2] for k in ("zstd", "raw")}  # GB per CPU-second: robust to load
+            configs[f"loader_{name}_{n}r"] = (time_loader, (url, args.tokens_per_batch, n, args.epochs))
+    names = list(configs)
+    rounds: list[dict] = []
+    for r in range(args.rounds):
+        # every configuration once per round, the order rotated each round: a load that drifts through the
+        # run (other jobs on a shared machine) favours no configuration, and each ratio is taken within a round
+        order = names[r % len(names):] + names[:r % len(names)]
+        row = {"order": order, "load_avg": os.getloadavg()[0]}
+        for name in order:
+            fn, fargs = configs[name]
+            tps, gbps, per_cpu = fn(*fargs)
+            row[name] = {"tokens_per_s": tps, "feature_gbps": gbps, "gb_per_cpu_s": per_cpu}
+        rounds.append(row)
+        print(f"round {r + 1}/{args.rounds}, load {row['load_avg']:.1f}: "
+              + ", ".join(f"{k} {row[k]['tokens_per_s']:.0f}" for k in names), flush=True)
+    res["rounds"] = rounds
+    res["throughput"] = {k: {m: _spread([x[k][m] for x in rounds]) for m in ("tokens_per_s", "feature_gbps",
+                                                                             "gb_per_cpu_s")} for k in names}
+    # GB per CPU-second of one reader: robust to load
+    per_core = {k: _spread([x[f"loader_{k}_1r"]["gb_per_cpu_s"] for x in rounds]) for k in ("zstd", "raw")}
     res["per_core_gbps"] = per_core
-    res["cores_for_target"] = {k: TARGET_GBPS / v for k, v in per_core.items()}
-    res["ratio_vs_files_2"] = {k: runs[f"loader_{k}_2r"][0] / runs["files_dataloader_2w"][0] for k in ("zstd", "raw")}
-    res["ratio_vs_files_0"] = {k: runs[f"loader_{k}_1r"][0] / runs["files_dataloader_0w"][0] for k in ("zstd", "raw")}
+    res["cores_for_target"] = {k: TARGET_GBPS / v["median"] for k, v in per_core.items()}
+    for files, n in (("files_dataloader_2w", 2), ("files_dataloader_0w", 1)):
+        res[f"ratio_vs_files_{files[-2]}"] = {
+            k: _spread([x[f"loader_{k}_{n}r"]["tokens_per_s"] / x[files]["tokens_per_s"] for x in rounds])
+            for k in ("zstd", "raw")}
     res["load_avg_end"] = os.getloadavg()[0]
     _print(res)
     out = Path(__file__).parent / "results" / "bench_loader.json"
@@ -194,6 +214,13 @@ def main() -> None:
     print(f"wrote {out}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _spread(vals: list[float | None]) -> dict | None:
+    """median, [min, max] and the values, over rounds (None where a configuration has no such figure)."""
+    if any(v is None for v in vals):
+        return None
+    return {"median": statistics.median(vals), "range": [min(vals), max(vals)], "values": vals}
 
 
 def _du(path: Path) -> int:
@@ -210,14 +237,23 @@ def _print(res: dict) -> None:
     print(f"cache: {c['samples']} samples, {c['tokens']} tokens; zstd {c['zstd_bytes'] / 1e9:.2f} GB, "
           f"raw {c['raw_bytes'] / 1e9:.2f} GB, per-sample files {c['files_bytes'] / 1e9:.2f} GB")
     print("  (per CPU-s: feature GB per second of this process's CPU time, all threads)")
+    n = len(res["rounds"])
+    print(f"  median [range] over {n} interleaved rounds; per CPU-s: feature GB per second of this process's CPU "
+          "time, all threads")
     for k, v in res["throughput"].items():
-        cpu = f"{v['gb_per_cpu_s']:6.2f} GB per CPU-s" if v["gb_per_cpu_s"] else ""
-        print(f"  {k:24s} {v['tokens_per_s']:10.0f} tok/s  {v['feature_gbps']:6.2f} GB/s  {cpu}")
+        t, g, c = v["tokens_per_s"], v["feature_gbps"], v["gb_per_cpu_s"]
+        cpu = f"{c['median']:6.2f} GB per CPU-s" if c else ""
+        print(f"  {k:24s} {t['median']:8.0f} [{t['range'][0]:.0f}-{t['range'][1]:.0f}] tok/s  "
+              f"{g['median']:6.2f} GB/s  {cpu}")
     for k, v in res["per_core_gbps"].items():
-        print(f"per core ({k}, 1 reader, GB per CPU-s): {v:.2f} -> {res['cores_for_target'][k]:.1f} cores for "
-              f"{res['target_gbps']:.2f} GB/s; tokens/s vs files: 1 reader / 0 workers "
-              f"{res['ratio_vs_files_0'][k]:.2f}x, 2 readers / 2 workers {res['ratio_vs_files_2'][k]:.2f}x")
-    print(f"load average {res['load_avg_start']:.1f} -> {res['load_avg_end']:.1f} on {res['cpu_cores']} cores")
+        r0, r2 = res["ratio_vs_files_0"][k], res["ratio_vs_files_2"][k]
+        print(f"per core ({k}, 1 reader, GB per CPU-s): {v['median']:.2f} -> {res['cores_for_target'][k]:.1f} cores "
+              f"for {res['target_gbps']:.2f} GB/s; tokens/s vs files, each round's ratio: 1 reader / 0 workers "
+              f"{r0['median']:.2f}x [{r0['range'][0]:.2f}-{r0['range'][1]:.2f}], 2 readers / 2 workers "
+              f"{r2['median']:.2f}x [{r2['range'][0]:.2f}-{r2['range'][1]:.2f}]")
+    loads = [x["load_avg"] for x in res["rounds"]]
+    print(f"load average {res['load_avg_start']:.1f} at the start, {min(loads):.1f}-{max(loads):.1f} at the rounds' "
+          f"starts, {res['load_avg_end']:.1f} at the end, on {res['cpu_cores']} cores")
 
 
 if __name__ == "__main__":

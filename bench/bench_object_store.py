@@ -18,7 +18,9 @@ Stores compared (every one reads the same cache, ``--epochs`` epochs per round, 
   copy of the cache, read through s3fs. moto copies the whole object for every range GET, so it
   measures the request pattern more than a real store's speed.
 
-Reported per store: tokens/s (median [min-max] over rounds) and its ratio to local, feature range
+The stores' order rotates every round (round r starts with the r-th store), so none always runs first.
+Reported per store: tokens/s (median [min-max] over rounds) and its ratio to local (the median [min-max]
+of each round's ratio to local's tokens/s in the same round), feature range
 requests per sample, read amplification (feature bytes fetched / stored feature bytes of the samples
 read; > 1 when coalescing reads gaps, < 1 when a read-ahead block serves two epochs) and client CPU
 seconds per GB of stored features read vs local, and the time from open to the first batch. With
@@ -132,16 +134,24 @@ def one_epoch(url: str, readers: int, read_ahead: str, in_flight: int, locality:
             "cpu_s_per_gb": cpu / (used / 1e9)}
 
 
+def _per_round(rs: list[dict], local: list[dict], key: str) -> list[float]:
+    """``key`` of each round over local's in the same round (the stores of a round run back to back, so a load
+    that drifts through the run moves both alike; a ratio of medians would mix rounds)."""
+    return [r[key] / ref[key] for r, ref in zip(rs, local, strict=True)]
+
+
 def _later_epochs(rs: list[dict], local: list[dict]) -> dict[str, object]:
     """tokens/s over the epochs after the first (the loader open, its read-ahead full), median and range, and
-    the median's ratio to local's; nothing with one epoch per round."""
+    the median [range] of its per-round ratio to local's; nothing with one epoch per round."""
     vals = [r["later_epochs_tokens_per_s"] for r in rs]
     ref = [r["later_epochs_tokens_per_s"] for r in local]
     if None in vals or None in ref:
         return {}
-    med = statistics.median(vals)
-    return {"later_epochs_tokens_per_s_median": med, "later_epochs_tokens_per_s_range": [min(vals), max(vals)],
-            "later_epochs_vs_local": med / statistics.median(ref)}
+    ratios = _per_round(rs, local, "later_epochs_tokens_per_s")
+    return {"later_epochs_tokens_per_s_median": statistics.median(vals),
+            "later_epochs_tokens_per_s_range": [min(vals), max(vals)],
+            "later_epochs_vs_local": statistics.median(ratios), "later_epochs_vs_local_range": [min(ratios), max(ratios)],
+            "later_epochs_vs_local_per_round": ratios}
 
 
 def _free_port() -> int:
@@ -224,14 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         one_epoch(local, args.readers, "off", args.in_flight, args.locality_parts,
                   run_samples=args.locality_run_samples)  # warm the page cache
         runs: dict[str, list[dict]] = {k: [] for k in stores}
-        for _ in range(args.rounds):
-            for name, (url, mode, ms) in stores.items():
+        names = list(stores)
+        for r in range(args.rounds):
+            # the order rotates each round: under a load that rises or falls through a run, a fixed order (local
+            # first) tilts every store's ratio the same way
+            order = names[r % len(names):] + names[:r % len(names)]
+            for position, name in enumerate(order):
+                url, mode, ms = stores[name]
                 if ms is not None:
                     latency_fs.configure(ms, args.mbps)
                 mib, in_flight, req = other if name.endswith(" (other settings)") else (
                     args.read_ahead_mib, args.in_flight, args.max_request_mib)
-                runs[name].append(one_epoch(url, args.readers, mode, in_flight, args.locality_parts,
-                                            mib, args.locality_run_samples, req, args.epochs))
+                res = one_epoch(url, args.readers, mode, in_flight, args.locality_parts, mib,
+                                args.locality_run_samples, req, args.epochs)
+                runs[name].append({**res, "round": r, "position": position})
     finally:
         if moto is not None:
             moto.terminate()
@@ -241,10 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     def read_ahead_of(name: str) -> str:
         return stores[name][1]
 
-    local_tps = statistics.median(r["tokens_per_s"] for r in runs["local"])
-    local_cpu = statistics.median(r["cpu_s_per_gb"] for r in runs["local"])
+    local = runs["local"]
     table = {}
-    print(f"{'store':14s} {'tokens/s median [range]':>30s} {'vs local':>9s} {'feature req/sample':>22s} "
+    print(f"{'store':14s} {'tokens/s median [range]':>30s} {'vs local, per round':>19s} {'feature req/sample':>22s} "
           f"{'all req/sample':>20s} {'read amp':>9s} {'CPU vs local':>12s} {'first batch s':>20s}")
 
     def spread(rs: list[dict], key: str, fmt: str) -> str:
@@ -256,22 +271,26 @@ def main(argv: list[str] | None = None) -> int:
     for name, rs in runs.items():
         tps = [r["tokens_per_s"] for r in rs]
         med = statistics.median(tps)
-        row = {"tokens_per_s_median": med, "tokens_per_s_range": [min(tps), max(tps)], "vs_local": med / local_tps,
-               **_later_epochs(rs, runs["local"]),
+        ratios = _per_round(rs, local, "tokens_per_s")
+        row = {"tokens_per_s_median": med, "tokens_per_s_range": [min(tps), max(tps)],
+               "vs_local": statistics.median(ratios), "vs_local_range": [min(ratios), max(ratios)],
+               "vs_local_per_round": ratios, **_later_epochs(rs, local),
                "requests_per_sample": rs[-1]["requests_per_sample"],
                "all_requests_per_sample": rs[-1]["all_requests_per_sample"],
                "requests_by_kind": rs[-1]["requests_by_kind"], "read_amplification": rs[-1]["read_amplification"],
-               "cpu_per_byte_vs_local": statistics.median(r["cpu_s_per_gb"] for r in rs) / local_cpu,
+               "cpu_per_byte_vs_local": statistics.median(_per_round(rs, local, "cpu_s_per_gb")),
                "first_batch_s_median": statistics.median(r["first_batch_s"] for r in rs), "rounds": rs}
         table[name] = row
-        print(f"{name:14s} {med:12.0f} [{min(tps):.0f}-{max(tps):.0f}] {row['vs_local']:9.2f} "
+        print(f"{name:14s} {med:12.0f} [{min(tps):.0f}-{max(tps):.0f}] "
+              f"{row['vs_local']:5.2f} [{min(ratios):.2f}-{max(ratios):.2f}] "
               f"{spread(rs, 'requests_per_sample', '.3f'):>22s} {spread(rs, 'all_requests_per_sample', '.3f'):>20s} "
               f"{spread(rs, 'read_amplification', '.2f'):>9s} {row['cpu_per_byte_vs_local']:12.2f} "
               f"{spread(rs, 'first_batch_s', '.2f'):>20s}")
         if row.get("later_epochs_vs_local") is not None:
             lt = [r["later_epochs_tokens_per_s"] for r in rs]
+            lr = row["later_epochs_vs_local_range"]
             print(f"{'':14s} epochs after the first: {statistics.median(lt):.0f} [{min(lt):.0f}-{max(lt):.0f}] "
-                  f"tokens/s, {row['later_epochs_vs_local']:.2f}x local")
+                  f"tokens/s, {row['later_epochs_vs_local']:.2f}x [{lr[0]:.2f}-{lr[1]:.2f}] local")
         if row["requests_by_kind"] and read_ahead_of(name) != "off":
             print(f"{'':14s} requests by kind (last round): {row['requests_by_kind']}")
     print(f"load average {load_start:.1f} at the start, {load:.1f} at the end; {args.samples} samples, {rs[-1]['tokens']} tokens, width 5x{args.hidden}, "

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dflash_cache.errors import ConfigError
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.entry import Arguments, command_parser, finite_float
-from dflash_cache.runtime.schema import PipelineConfig
+from dflash_cache.runtime.schema import EXTRACT_COMMAND, PipelineConfig
 
 DEFAULT_TOKENS_PER_S = 26_000  # a 27B-width drafter step on one H200 (README performance table)
 
@@ -40,7 +40,7 @@ def extract_parser() -> argparse.ArgumentParser:
 
 
 def load_run_config(path: str, overrides: Sequence[str], data: str | None, skip_bad: bool) -> PipelineConfig:
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, overrides, command=EXTRACT_COMMAND)
     try:
         if data is not None:
             cfg.data.path = data

@@ -204,6 +204,18 @@ MUTANTS = [
              "copies, once\n                        self._check_inline_copies()\n", ""),),
            ("tests/test_cache_binding.py::test_training_refuses_what_verify_rejects[edited_offsets]",
             "tests/test_cache_binding.py::test_training_refuses_what_verify_rejects[edited_sample_ids]")),
+    Mutant("estimate-backward-bf16-and-fp32-grads", "one layer's backward: weight gradients net of the freed bf16 copies",
+           "train/tools/estimate.py", (("            return n * (precision.param_bytes - 2) + largest * 2\n",
+                                        "            return n * (precision.param_bytes + 2)\n"),),
+           ("tests/test_estimate.py::test_each_phase_holds_at_shapes_the_estimate_was_not_fitted_on",)),
+    Mutant("train-runs-extraction-checks", "dflash-train does not check extraction's settings",
+           "dflash_cache/runtime/schema.py", (("        if command in (None, EXTRACT_COMMAND):\n",
+                                               "        if True:\n"),),
+           ("tests/test_config_per_command.py::test_training_a_cache_longer_than_the_extraction_budget",)),
+    Mutant("object-store-fixed-order", "bench_object_store rotates the stores' order every round",
+           "bench/bench_object_store.py", (("            order = names[r % len(names):] + names[:r % len(names)]\n",
+                                            "            order = names\n"),),
+           ("tests/test_bench_scripts.py::test_bench_object_store_runs_every_store_and_reports_requests",)),
 ]
 
 

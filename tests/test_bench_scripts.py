@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -97,15 +99,26 @@ def test_bench_decode_rates_measures_every_codec(monkeypatch, tmp_path):
 def test_bench_object_store_runs_every_store_and_reports_requests(monkeypatch, tmp_path):
     out = tmp_path / "object_store.json"
     _run(monkeypatch, "bench_object_store", "--samples", "24", "--hidden", "32", "--median-length", "64",
-         "--samples-per-part", "12", "--rounds", "1", "--locality-parts", "1", "--epochs", "2",
+         "--samples-per-part", "12", "--rounds", "2", "--locality-parts", "1", "--epochs", "2",
          "--workdir", str(tmp_path / "w"), "--out", str(out))  # (with the loopback S3 server where moto is installed)
     res = json.loads(out.read_text())
     stores = res["stores"]
     assert {"local", "latency-0ms", "latency-20ms"} <= set(stores)
     assert stores["local"]["vs_local"] == 1.0 and stores["local"]["requests_per_sample"] is None
+    # the order rotates: the store that ran first in round 0 runs last in round 1, the second runs first
+    first = [min(stores, key=lambda n: stores[n]["rounds"][r]["position"]) for r in (0, 1)]
+    assert first[0] == "local" and first[1] != "local"
+    assert stores[first[1]]["rounds"][0]["position"] == 1 and stores["local"]["rounds"][1]["position"] == len(stores) - 1
+    # the ratio to local is each round's own ratio (median of two rounds: their mean), not a ratio of medians
+    for name in set(stores) - {"local"}:
+        per_round = [stores[name]["rounds"][r]["tokens_per_s"] / stores["local"]["rounds"][r]["tokens_per_s"]
+                     for r in (0, 1)]
+        assert stores[name]["vs_local_per_round"] == pytest.approx(per_round)
+        assert stores[name]["vs_local"] == pytest.approx(sum(per_round) / 2)
+        assert stores[name]["vs_local_range"] == pytest.approx([min(per_round), max(per_round)])
     for name in set(stores) - {"local"}:
         assert stores[name]["tokens_per_s_median"] > 0 and 0 < stores[name]["requests_per_sample"] < 1
-        assert stores[name]["rounds"][0]["samples"] == 2 * 24  # every sample of both epochs, from every store
+        assert stores[name]["rounds"][1]["samples"] == 2 * 24  # every sample of both epochs, from every store
         assert stores[name]["later_epochs_tokens_per_s_median"] > 0 and stores[name]["later_epochs_vs_local"] > 0
         kinds = stores[name]["requests_by_kind"]  # every request the loader's cache made, by kind
         assert kinds["feature range"] >= 1 and kinds["commit record"] >= 1 and kinds["small array"] >= 1, kinds

@@ -12,6 +12,7 @@ import argparse
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.entry import Arguments, command_parser, finite_float
+from dflash_cache.runtime.schema import TRAIN_COMMAND
 
 EXPORT_DTYPES = ["bfloat16", "float16", "float32"]  # train.tools.export's weight dtypes, by name
 
@@ -81,7 +82,7 @@ def report_parser() -> argparse.ArgumentParser:
 
 
 def _check_config(args: argparse.Namespace) -> None:
-    load_config(args.config, args.overrides)
+    load_config(args.config, args.overrides, command=TRAIN_COMMAND)
 
 
 EVAL = Arguments(eval_parser, _check_config)

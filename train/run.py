@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from dflash_cache.runtime.config import load_config
 from dflash_cache.runtime.entry import command_parser
+from dflash_cache.runtime.schema import TRAIN_COMMAND
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = load_config(args.config, args.overrides)  # before torch is loaded: a typo costs no import
+    cfg = load_config(args.config, args.overrides, command=TRAIN_COMMAND)  # before torch is loaded: a typo costs no import
     from .loop.loop import train
 
     result = train(cfg, args.cache, args.run_dir)

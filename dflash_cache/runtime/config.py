@@ -58,9 +58,11 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def validate(model: type[M], data: Mapping[str, Any], source: str = "config") -> M:
+def validate(model: type[M], data: Mapping[str, Any], source: str = "config", command: str | None = None) -> M:
+    """``command`` (``dflash-extract`` / ``dflash-train``): run only the checks of the settings that command
+    reads (``schema.SECTION_READERS``); None: every check."""
     try:
-        return model.model_validate(dict(data))
+        return model.model_validate(dict(data), context={"command": command} if command else None)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
 
@@ -84,14 +86,16 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: not valid TOML: {err}") from None
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = (), model: type[M] | None = None) -> M:
-    """Read a TOML preset, apply ``--set`` overrides and validate the result."""
+def load_config(path: str | Path, overrides: Iterable[str] = (), model: type[M] | None = None,
+                command: str | None = None) -> M:
+    """Read a TOML preset, apply ``--set`` overrides and validate the result (for ``command``: see
+    :func:`validate`)."""
     if model is None:
         from .schema import PipelineConfig
 
         model = PipelineConfig  # type: ignore[assignment]
     data = apply_overrides(read_toml(path), list(overrides))
-    return validate(model, data, source=str(path))  # type: ignore[arg-type]
+    return validate(model, data, source=str(path), command=command)  # type: ignore[arg-type]
 
 
 def config_to_dict(cfg: BaseModel) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from .schema import PipelineConfig
+from .schema import SECTION_READERS, PipelineConfig
 from .section import Section
 from .switches import SWITCHES
 
@@ -52,6 +52,12 @@ A value that is not valid TOML is taken as a string (`--set teacher.path=/models
 with spaces for the shell (`--set "cache.bucket_edges=[128, 320]"`). *unset* means the key has no value
 (it is left out of the preset); its description says what happens then. The resolved config is written
 into the cache (`CACHE/meta/config.json`), the run dir (`RUN/config.json`) and every checkpoint.
+
+Every command accepts the whole file (one preset serves both stages), and each checks the settings it
+reads: *Read by* under each section names the commands. The checks between sections run only for the
+command that reads them: `extract.tokens_per_batch` and `cache.bucket_edges` against `data.max_length` for
+`dflash-extract`; `dflash-train` reads its samples' lengths from the cache and checks them against
+`loader.tokens_per_batch` (and `loader.max_block_positions`) when it plans an epoch.
 """
 
 
@@ -122,6 +128,7 @@ def render() -> str:
     for name, cls in sections():
         out.append(f"## {name}\n")
         out.append(_cell(cls.__doc__ or "") + f" Declared in `{source_file(cls)}`.\n")
+        out.append(f"*Read by:* {_cell(SECTION_READERS[name])}.\n")
         out.append("| key | type | default | meaning |")
         out.append("|---|---|---|---|")
         for key, field in cls.model_fields.items():

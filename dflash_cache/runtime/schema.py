@@ -22,7 +22,7 @@ beside each, so that the dependency is named in one place rather than buried in 
 
 from __future__ import annotations
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
 from extract.config import DataConfig, ExtractConfig, RegenerateConfig, TeacherConfig
 from extract.config import check_sections as check_extract_sections
@@ -40,6 +40,30 @@ from train.config import check_sections as check_train_sections
 from ..config import CacheConfig
 from .section import Section, field_error
 
+EXTRACT_COMMAND, TRAIN_COMMAND = "dflash-extract", "dflash-train"
+
+# Which commands read each section (docs/config.md says it under each section's heading). A command checks the
+# settings it reads, nothing else: extraction's checks against data.max_length never stop training, which reads
+# its samples' lengths from the cache (and checks them against loader.tokens_per_batch when it plans).
+SECTION_READERS: dict[str, str] = {
+    "teacher": f"`{EXTRACT_COMMAND}`; `{TRAIN_COMMAND} eval --live` (the teacher decodes) and `{TRAIN_COMMAND} estimate` (the teacher's "
+               "shapes, when no `--cache` gives them)",
+    "data": f"`{EXTRACT_COMMAND}`; `{TRAIN_COMMAND} estimate` without `--cache` (`data.max_length` bounds the worst step). "
+            f"`{TRAIN_COMMAND}` itself reads the samples' lengths from the cache",
+    "regenerate": f"`{EXTRACT_COMMAND}` (regeneration through an endpoint)",
+    "cache": f"`{EXTRACT_COMMAND}` (the cache it writes); `{TRAIN_COMMAND} estimate` without `--cache` (`cache.target_layer_ids`)",
+    "extract": f"`{EXTRACT_COMMAND}` only",
+    "model": f"`{TRAIN_COMMAND}` and its subcommands; `{EXTRACT_COMMAND}` reads `model.block_size` (the default of "
+             "`data.min_loss_tokens`) and `model.mask_token_id` (recorded in the cache)",
+    "train": f"`{TRAIN_COMMAND}` and its subcommands",
+    "loader": f"`{TRAIN_COMMAND}` and its subcommands; `{EXTRACT_COMMAND}` reads `loader.num_readers` (training's CPU thread "
+              "budget, kept by regeneration)",
+    "checkpoint": f"`{TRAIN_COMMAND}`",
+    "guards": f"`{TRAIN_COMMAND}`",
+    "eval": f"`{TRAIN_COMMAND}` (evaluation during training) and `{TRAIN_COMMAND} eval`",
+    "metrics": f"`{TRAIN_COMMAND}`",
+}
+
 
 class PipelineConfig(Section):
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
@@ -56,19 +80,23 @@ class PipelineConfig(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
-    def _cross_check(self) -> PipelineConfig:
-        """Checks across sections, each reported at the field to change: the one between stages here, then
-        each stage's own."""
-        max_len = self.data.max_length
+    def _cross_check(self, info: ValidationInfo) -> PipelineConfig:
+        """Checks across sections, each reported at the field to change: extraction's (the bucket edges and
+        the forward's token budget against data.max_length) and training's, each only for the command that
+        reads those settings (validation context ``{"command": EXTRACT_COMMAND or TRAIN_COMMAND}``; without one, both)."""
+        command = (info.context or {}).get("command")
         errors = []
-        over = [e for e in self.cache.bucket_edges if e >= max_len]
-        if over:
-            errors.append(field_error(
-                ("cache", "bucket_edges"), self.cache.bucket_edges,
-                f"edges {over} are not below data.max_length ({max_len}): samples are truncated to max_length, so "
-                "those buckets would stay empty; use edges below data.max_length (or raise it)"))
-        errors += check_extract_sections(self.data, self.extract)
-        errors += check_train_sections(self.model, self.train, self.loader)
+        if command in (None, EXTRACT_COMMAND):
+            max_len = self.data.max_length
+            over = [e for e in self.cache.bucket_edges if e >= max_len]
+            if over:
+                errors.append(field_error(
+                    ("cache", "bucket_edges"), self.cache.bucket_edges,
+                    f"edges {over} are not below data.max_length ({max_len}): samples are truncated to max_length, "
+                    "so those buckets would stay empty; use edges below data.max_length (or raise it)"))
+            errors += check_extract_sections(self.data, self.extract)
+        if command in (None, TRAIN_COMMAND):
+            errors += check_train_sections(self.model, self.train, self.loader)
         if errors:
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self

@@ -124,9 +124,9 @@ class MemoryEstimate:
     activations: int  # saved for backward through the whole forward (the terms below included)
     per_layer: int  # what one layer saves (all of it without checkpointing)
     recomputed_layer: int  # with activation checkpointing: one layer's activations, rebuilt during backward
-    attention_workspace: int  # gradients of one layer's keys and values being formed
+    attention_workspace: int  # gradients of one layer's keys and values being formed (in backward_working_set)
     loss_head: int  # the loss head's own memory, on top of the activations
-    backward_working_set: int  # one layer's gradients of activations and of its weights
+    backward_working_set: int  # one layer's gradients of activations and of its weights (the larger stage)
     host_loader_buffers: int  # host memory, not on the device
     activation_terms: dict[str, int] = field(default_factory=dict)  # what ``activations`` sums, by name
     rope_tables: int = 0  # cos/sin of the block rows' and the context's positions (in activations)
@@ -150,7 +150,7 @@ class MemoryEstimate:
         """Backward's first layer: every activation, the loss head's gradient, one layer's working set (rebuilt
         first with checkpointing) and the bf16 weight copies that no layer's backward has freed yet."""
         return (self.autocast_weight_copies + self.activations + self.loss_head_residue + self.context_gradient
-                + self.recomputed_layer + self.attention_workspace + self.backward_working_set)
+                + self.recomputed_layer + self.backward_working_set)
 
     @property
     def backward_end(self) -> int:
@@ -271,13 +271,28 @@ def memory_estimate(shape: DrafterShape, step: StepShape, *, precision: Precisio
     loss_residue = N * H * c
 
     gradients = P * precision.param_bytes
-    # one layer's backward: the gradients of its [Q, I] and [Q, H] activations being formed while the saved
-    # ones they replace are freed (measured: about one of each net), and of the layer's weights (in the
-    # compute dtype, then fp32)
+    # one layer's backward (the last layer's, the first to run): its weights' gradients form while the
+    # activations it saved are freed, each as the node that used it runs. Under autocast a weight's gradient is
+    # formed in the compute dtype and converted to the fp32 .grad, and the matmul that saved the weight's bf16
+    # copy (in autocast_weight_copies) frees it: net fp32 - bf16 per weight, plus one matrix's bf16 gradient
+    # while it is converted (not bf16 + fp32 of every weight on top of the copies). Two stages, the larger
+    # counts: the MLP's, one [H, I] gradient with its activations' gradients [Q, I] and [Q, H] (measured: about
+    # one of each net); the attention's, every weight of the layer with a gradient, by when the MLP's saved
+    # activations (gate, silu(gate), up, their product: 4 [Q, I]) and the post-attention norm's input and
+    # output (2 [Q, H]) are freed, plus the keys' and values' gradients.
     two_d, _ = shape.param_counts()
     layer_weights = (two_d - shape.n_features * H * H) // max(1, shape.layers)
-    backward_ws = (Q * inter + Q * H) * c + layer_weights * (precision.param_bytes + (2 if precision.autocast else 0))
+
+    def weight_grads(n: int, largest: int) -> int:
+        if precision.autocast:
+            return n * (precision.param_bytes - 2) + largest * 2
+        return n * precision.param_bytes
+
     attention_ws = 3 * (C + Q) * kvd * c  # gradients of k and v (and q) being formed
+    mlp_stage = weight_grads(H * inter, H * inter) + (Q * inter + Q * H) * c
+    attention_stage = (weight_grads(layer_weights, max(H * qd, H * kvd)) - (4 * Q * inter + 2 * Q * H) * c
+                       + attention_ws)
+    backward_ws = max(mlp_stage, attention_stage)
     context_grad = C * H * c
     opt = optimizer_state_bytes(shape, optimizer)
     return MemoryEstimate(
@@ -639,9 +654,9 @@ def format_report(r: EstimateReport) -> str:
         f"  activations saved for backward {human(p.activations):>12}  ({s.layers} layers"
         f"{', checkpointed: inputs only' if p.recomputed_layer else f', {human(p.per_layer)} per layer'})",
         f"  recomputed layer               {human(p.recomputed_layer):>12}",
-        f"  attention workspace            {human(p.attention_workspace):>12}",
         f"  loss head (logits chunk ...)   {human(p.loss_head):>12}",
-        f"  one layer's backward           {human(p.backward_working_set):>12}",
+        f"  one layer's backward           {human(p.backward_working_set):>12}  (gradients of its weights and activations;"
+        f" attention workspace {human(p.attention_workspace)} of it)",
         f"  static (weights, moments, head, batch) {human(p.static)}; on top of it, per phase: "
         + ", ".join(f"{k.replace('_', ' ')} {human(v)}" for k, v in p.phases.items()),
         f"  peak: {human(p.device_peak)} (median step {human(r.median.device_peak)}) of {human(r.gpu_memory_bytes)} "
@@ -725,9 +740,10 @@ def cli_main(argv: Any = None) -> int:
     import json
 
     from dflash_cache.runtime.config import load_config
+    from dflash_cache.runtime.schema import TRAIN_COMMAND
 
     args = build_parser().parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, command=TRAIN_COMMAND)
     cache = None
     if args.cache:
         from dflash_cache import open_cache

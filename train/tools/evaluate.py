@@ -468,10 +468,11 @@ def load_for_eval(checkpoint: str, cache: ReadableCache, attention: str = "auto"
 def cli_main(argv: Sequence[str] | None = None) -> int:
     from dflash_cache import open_cache
     from dflash_cache.runtime.config import load_config
+    from dflash_cache.runtime.schema import TRAIN_COMMAND
 
     args = build_parser().parse_args(argv)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)  # bad values: exit 2 before any work
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, command=TRAIN_COMMAND)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # training's CPU thread budget: torch's default (a thread per core) contends with the cache's readers and
     # other processes, measured 2-5x slower on a busy 2-core machine (bench/bench_eval_threads.py)

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from dflash_cache.errors import ConfigError, SpecMismatchError
 from dflash_cache.runtime.config import validate
-from dflash_cache.runtime.schema import PipelineConfig
+from dflash_cache.runtime.schema import TRAIN_COMMAND, PipelineConfig
 
 from ..cli_args import export_parser as build_parser
 from ..components.checkpoint import MANIFEST_FILE
@@ -118,7 +118,7 @@ def load_weights(path: str | Path) -> LoadedDrafterWeights:
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         meta = f.metadata() or {}
     dcfg = DFlashConfig.from_json(meta[METADATA_KEY]) if METADATA_KEY in meta else None
-    pcfg = validate(PipelineConfig, config, source=str(ckpt / "config.json"))
+    pcfg = validate(PipelineConfig, config, source=str(ckpt / "config.json"), command=TRAIN_COMMAND)
     return LoadedDrafterWeights(state, dcfg, pcfg, ckpt, int(manifest.get("step", -1)), manifest.get("cache_fingerprint"))
 
 
