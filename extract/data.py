@@ -579,14 +579,16 @@ def data_fingerprint(path: str) -> str:
     return _file_fingerprint(files)
 
 
-def iter_records(path: str, skip_bad: bool = False, counts: ReadCounts | None = None) -> Iterator[Record]:
+def iter_records(path: str, skip_bad: bool = False, counts: ReadCounts | None = None,
+                 warn: bool = True) -> Iterator[Record]:
     """Every good record of ``path`` in dataset order, read as a stream (a JSON array or JSONL file is never
     read whole). A bad record raises :class:`DataError` naming it, or with ``skip_bad`` is skipped and counted
     in ``counts`` by reason; ``counts`` also gets the records seen and used and the leading turns dropped.
 
     Conversations come as ``Record.messages``: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``,
     starting (after any system turns) with a user turn and alternating; ``Record.sample_id`` is the record's
-    0-based position in the data (bad records keep theirs)."""
+    0-based position in the data (bad records keep theirs). ``warn``: log the skips at the end (a second pass
+    over the same data does not)."""
     counts = ReadCounts() if counts is None else counts
     if path.startswith("builtin:"):
         for i, c in enumerate(_builtin(path)):
@@ -628,7 +630,7 @@ def iter_records(path: str, skip_bad: bool = False, counts: ReadCounts | None = 
         note = f" ({len(counts.bad_files)} unreadable file(s) skipped)" if counts.bad_files else " (the file is empty)"
         raise DataError(f"data.path {path}: no records found{note}; expected a JSON array of records or one record "
                         "per line")
-    if counts.bad:
+    if counts.bad and warn:
         log.warning("skipped %d bad record(s); first: %s", len(counts.bad), counts.bad[0])
 
 
