@@ -235,7 +235,8 @@ def _int_list(raw: Any, name: str, where: str) -> list[int]:
 def parse_record(obj: Any, sample_id: int, where: str) -> Record:
     """Validate one decoded record (conversation or pre-tokenized)."""
     if not isinstance(obj, dict):
-        raise RecordError(f"{where}: expected a JSON object, found {type(obj).__name__}", "not an object")
+        raise RecordError(f"{where}: expected a JSON object, found {type(obj).__name__}; fix the record or pass "
+                          "--skip-bad", "not an object")
     if obj.get("input_ids") is not None:
         ids = _int_list(obj["input_ids"], "input_ids", where)
         if "loss_mask" not in obj:
@@ -259,7 +260,7 @@ def parse_record(obj: Any, sample_id: int, where: str) -> Record:
         return Record(sample_id, where, messages=msgs, turns_dropped=dropped)
     raise RecordError(
         f"{where}: expected a 'messages' list (role/content), ShareGPT 'conversations', or 'input_ids' + "
-        f"'loss_mask'; found keys {sorted(obj)}", "invalid record"
+        f"'loss_mask'; found keys {sorted(obj)} (fix the record or pass --skip-bad)", "invalid record"
     )
 
 
@@ -378,7 +379,8 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
             s = _ArrayStream(f)
             if s.skip_space() == "\ufeff":  # a UTF-8 byte-order mark
                 s.pos += 1
-            s.pos += 1  # the opening '['
+            s.skip_space()
+            s.pos += 1  # the opening '[' (the caller saw it)
             while True:
                 c = s.skip_space()
                 if c == "]" and n == 0:
