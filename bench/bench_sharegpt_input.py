@@ -142,25 +142,26 @@ def main() -> None:
     if args.extract_sizes is not None:
         sizes_for["extract"] = args.extract_sizes
     runs: dict[str, list[dict]] = {}
+    result = {"file": str(src), "file_bytes": src.stat().st_size, "complete_records": n_complete,
+              "sizes": {f"{k:g}": {"records": n_records[k], "bytes": files[k].stat().st_size} for k in files},
+              "overrides": args.set, "cpus": os.cpu_count(), "results": {}}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for r in range(max(rounds.values())):
         for c in args.commands:
             for k in sizes_for[c]:
                 if r >= rounds[c]:
                     continue
                 res = measure(command(c, files[k], args.workdir, args.set))
-                runs.setdefault(f"{c} x{k:g}", []).append(res)
+                name = f"{c} x{k:g}"
+                runs.setdefault(name, []).append(res)
+                result["results"][name] = summary(runs[name], n_records[k])
+                RESULTS.write_text(json.dumps(result, indent=1))  # after every run: a long bench may be stopped
                 print(f"{c:8s} x{k:g}: {res['wall_s']:8.1f} s  {n_records[k] / res['wall_s']:8.1f} records/s  peak RSS "
                       f"{res['peak_rss_mib']:7.1f} MiB  load {' '.join(res['load'])}", flush=True)
-    result = {"file": str(src), "file_bytes": src.stat().st_size, "complete_records": n_complete,
-              "sizes": {f"{k:g}": {"records": n_records[k], "bytes": files[k].stat().st_size} for k in files},
-              "overrides": args.set, "cpus": os.cpu_count(),
-              "results": {name: summary(rs, n_records[float(name.split("x")[-1])]) for name, rs in runs.items()}}
     for name, s in result["results"].items():
         print(f"{name:12s} {s['records_per_s_median']:8.1f} records/s (wall {s['wall_s_median']} s, range "
               f"{s['wall_s_range']}), peak RSS {s['peak_rss_mib_median']} MiB (range {s['peak_rss_mib_range']}), "
               f"{s['runs']} run(s)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1))
     print(f"wrote {RESULTS}")
 
 
