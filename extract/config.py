@@ -48,10 +48,11 @@ class DataConfig(Section):
     """The conversations to extract (and to regenerate answers for)."""
 
     path: str = "builtin:tiny-chat"
-    """JSONL / Parquet / saved HF dataset directory (or a directory of those), or `builtin:tiny-chat`;
-    `--data` overrides it."""
+    """JSONL or JSON array file (ShareGPT as distributed; told apart by content, read as a stream) / Parquet /
+    saved HF dataset directory (or a directory of those), or `builtin:tiny-chat`; `--data` overrides it."""
     max_length: int = Field(3072, gt=1)
-    """Tokens per sample after templating; longer samples are truncated (counted)."""
+    """Tokens per sample after templating; longer samples are truncated (counted). In-process `regenerate`
+    stops a conversation at a prompt this long (counted)."""
     min_loss_tokens: int | None = Field(None, ge=1)
     """Samples with fewer loss (assistant) tokens are dropped (counted); unset: 2 x `model.block_size`."""
     skip_bad: bool = False

@@ -280,6 +280,7 @@ class EndpointReport:
     retries: dict[str, int] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
     n_bad_input: int = 0
+    read: str = ""  # the input's read counts (ReadCounts.summary)
     stopped: str | None = None  # why the run stopped before asking everything
     wall_s: float = 0.0
 
@@ -296,7 +297,7 @@ class EndpointReport:
     def lines(self, out: str) -> list[str]:
         wall = max(self.wall_s, 1e-9)
         retries = ", ".join(f"{k} x{v}" for k, v in sorted(self.retries.items())) or "none"
-        out_lines = [
+        out_lines = [self.read] * bool(self.read) + [
             f"endpoint {self.url}, model {self.model}",
             f"answered {self.n_answered} conversations into {out} ({self.n_before} were there already); "
             f"{self.n_missing} of {self.n_input} missing" + (f"; {self.n_bad_input} bad input records skipped"
@@ -410,7 +411,8 @@ def regenerate_via_endpoint(cfg: PipelineConfig, out_path: str, show: bool = Tru
     answers = AnswerLog(out_path, data.fingerprint, rcfg.fsync_every_s)
     done = answers.open()
     pending = [c for c in cursors if c.record.sample_id not in done]
-    report = EndpointReport(rcfg.endpoint, model, len(cursors), len(cursors) - len(pending), n_bad_input=len(data.bad))
+    report = EndpointReport(rcfg.endpoint, model, len(cursors), len(cursors) - len(pending), n_bad_input=len(data.bad),
+                            read=data.counts.summary())
     log.info("%s serves %s: %d of %d conversations to ask (%d answered in %s already), %d in flight at most",
              rcfg.endpoint, model, len(pending), len(cursors), report.n_before, out_path, rcfg.max_concurrency)
     try:

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from .answer_log import OutputLock
 from .cli_args import load_run_config
 from .cli_args import regenerate_parser as build_parser
 from .config import RegenerateConfig
+from .data import ReadCounts
 from .run_config import template_options
 from .teacher import load_teacher, teacher_device
 from .template import TemplateOptions, check_chat_template
@@ -85,18 +87,45 @@ class Regenerator:
         return cut_at_stop(text, self.cfg.stop)
 
 
-def regenerate_conversations(regen: Regenerator, cursors: list[TurnCursor], show: bool = True) -> None:
-    """Regenerate round by round (k-th reply of every conversation), batching prompts of similar length."""
+@dataclass
+class RegenerateReport:
+    """What an in-process regeneration did: conversations written, replies generated, turns given up."""
+
+    n_written: int = 0
+    n_replies: int = 0
+    n_cut: int = 0  # conversations stopped early: a prompt reached data.max_length tokens
+    n_turns_cut: int = 0  # replies of those conversations not generated
+    n_unanswerable: int = 0  # conversations whose first prompt is already that long: not written
+
+    def lines(self, out: str, max_length: int) -> list[str]:
+        return [f"regenerated {self.n_written} conversations ({self.n_replies} replies) into {out}",
+                f"prompts of {max_length}+ tokens (data.max_length; extraction keeps no more): {self.n_cut} "
+                f"conversations cut there ({self.n_turns_cut} replies not generated), {self.n_unanswerable} with a "
+                "first prompt that long not written"]
+
+
+def regenerate_conversations(regen: Regenerator, cursors: list[TurnCursor], show: bool = True,
+                             max_prompt: int | None = None, report: RegenerateReport | None = None) -> None:
+    """Regenerate round by round (k-th reply of every conversation), batching prompts of similar length. A
+    conversation whose next prompt has ``max_prompt`` tokens or more stops there (counted in ``report``): its
+    later turns would not fit in an extracted sample, and the prompt would cost the most compute."""
+    report = RegenerateReport() if report is None else report
     bar = tqdm(total=sum(len(c.turns) for c in cursors), unit="reply", desc="regenerate", disable=not show)
     batch_index = 0
     while active := [c for c in cursors if not c.done]:
         prompts = {id(c): regen.prompt_ids(c.history()) for c in active}
+        if max_prompt is not None:
+            for c in active:
+                if len(prompts[id(c)]) >= max_prompt:
+                    bar.update(c.cut())
+            active = [c for c in active if not c.done]
         order = sorted(active, key=lambda c: (len(prompts[id(c)]), c.record.sample_id))
         for start in range(0, len(order), regen.cfg.batch_size):
             chunk = order[start:start + regen.cfg.batch_size]
             for c, text in zip(chunk, regen.generate([prompts[id(c)] for c in chunk], batch_index), strict=True):
                 c.add_reply(reply_message(text))
             batch_index += 1
+            report.n_replies += len(chunk)
             bar.update(len(chunk))
     bar.close()
 
@@ -114,18 +143,24 @@ def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> int:
-    """Regenerate ``cfg.data`` in this process into ``out_path``; returns the number of conversations written."""
+def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> tuple[RegenerateReport, ReadCounts]:
+    """Regenerate ``cfg.data`` in this process into ``out_path``; returns what was done and what was read."""
     data, cursors = load_prompts(cfg)
+    report = RegenerateReport()
     with OutputLock(out_path):
         model, tokenizer = load_teacher(cfg.teacher)
         budget_cpu_threads(teacher_device(model), cfg.cpu_worker_threads)  # training's CPU thread budget
         check_chat_template(tokenizer)
         regen = Regenerator(model, tokenizer, cfg.regenerate, template_options(cfg))
-        regenerate_conversations(regen, cursors, show)
-        write_jsonl(out_path, [output_record(c, data.fingerprint) for c in cursors])
-    log.info("wrote %d regenerated conversations to %s", len(cursors), out_path)
-    return len(cursors)
+        regenerate_conversations(regen, cursors, show, cfg.data.max_length, report)
+        answered = [c for c in cursors if c.k > 0]
+        report.n_unanswerable = len(cursors) - len(answered)
+        report.n_cut = sum(1 for c in answered if c.given_up)
+        report.n_turns_cut = sum(c.given_up for c in answered)
+        write_jsonl(out_path, [output_record(c, data.fingerprint) for c in answered])
+    report.n_written = len(answered)
+    log.info("wrote %d regenerated conversations to %s", len(answered), out_path)
+    return report, data.counts
 
 
 def cli_main(argv: Sequence[str]) -> int:
@@ -144,6 +179,6 @@ def cli_main(argv: Sequence[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    n = regenerate(cfg, args.out, show=not args.no_progress)
-    print(f"regenerated {n} conversations into {args.out}")
+    report, read = regenerate(cfg, args.out, show=not args.no_progress)
+    print("\n".join([read.summary(), *report.lines(args.out, cfg.data.max_length)]))
     return 0

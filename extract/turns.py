@@ -61,6 +61,7 @@ class TurnCursor:
                             "turn to answer")
         self.messages: list[dict] = []
         self.k = 0  # replies done
+        self.given_up = 0  # replies not generated (cut)
         self._pos = 0  # next input message to copy
 
     @property
@@ -74,6 +75,12 @@ class TurnCursor:
         self.messages = [*self.history(), msg]
         self._pos = self.turns[self.k] + 1
         self.k += 1
+
+    def cut(self) -> int:
+        """Stop before the next reply (its prompt is too long); returns the replies given up."""
+        self.given_up = len(self.turns) - self.k
+        self.turns = self.turns[:self.k]
+        return self.given_up
 
 
 def output_record(cursor: TurnCursor, prompts_fingerprint: str) -> dict[str, Any]:

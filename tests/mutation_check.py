@@ -216,6 +216,16 @@ MUTANTS = [
            "bench/bench_object_store.py", (("            order = names[r % len(names):] + names[:r % len(names)]\n",
                                             "            order = names\n"),),
            ("tests/test_bench_scripts.py::test_bench_object_store_runs_every_store_and_reports_requests",)),
+    Mutant("json-array-no-refill", "a JSON array record larger than the read window is read, not called broken",
+           "extract/data.py", (('                if at_end and self.fill():\n', '                if False:\n'),),
+           ("tests/test_sharegpt_input.py::test_the_stream_matches_one_json_load_across_window_edges",)),
+    Mutant("sharegpt-keeps-leading-assistant", "turns before the first user turn are dropped, as the peers do",
+           "extract/data.py", (("    body = msgs[first_user:]\n", "    body = msgs[n_sys:]\n"),),
+           ("tests/test_sharegpt_input.py::test_the_turns_kept_are_the_ones_the_peers_keep",)),
+    Mutant("json-array-offset-from-window", "a broken array names its byte offset in the file",
+           "extract/data.py", (("        off += len(self.buf[at:pos].encode(\"utf-8\", \"surrogatepass\"))\n",
+                                "        off += pos - at\n"),),
+           ("tests/test_sharegpt_input.py::test_a_truncated_array_names_the_byte_and_the_complete_records",)),
 ]
 
 
