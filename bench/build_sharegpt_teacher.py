@@ -350,7 +350,8 @@ def resolve_sharegpt_teacher(recipe: Recipe | None = None) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: on 2 busy cores a second "
+                    "thread mostly waits for the first; see docs/performance.md)")
     ap.add_argument("--steps", type=int, default=Recipe.steps, help="optimizer steps (a recipe field)")
     ap.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
                     help="any other recipe field, e.g. --set batch_size=8")
