@@ -12,7 +12,7 @@ from dflash_cache.runtime.schema import PipelineConfig
 
 from .cli_args import DEFAULT_TOKENS_PER_S, load_run_config
 from .cli_args import estimate_parser as build_parser
-from .data import load_records
+from .data import ReadCounts, iter_records
 from .progress import human_bytes
 from .run_config import sample_rules
 from .teacher import (
@@ -23,7 +23,7 @@ from .teacher import (
     resolve_layer_ids,
     resolve_mask_token,
 )
-from .template import TokenizeStats, check_chat_template
+from .template import TokenizeStats
 
 # Stored bytes per raw bf16 byte of features (measured on activations with outlier channels);
 # fp8 adds one fp32 scale per token per layer.
@@ -50,6 +50,7 @@ class Estimate:
     tokens_per_s: float = DEFAULT_TOKENS_PER_S  # training speed the read bandwidth is sized for
     decode_gbps: dict[str, float] = field(default_factory=lambda: dict(DECODE_GBPS_PER_CORE))
     final_hidden: bool = False  # cache.store_final_hidden: one more H-wide slot per token
+    read: ReadCounts = field(default_factory=ReadCounts)  # what reading the data counted
 
     @property
     def slots(self) -> int:
@@ -58,9 +59,11 @@ class Estimate:
     def lines(self, codec: str) -> list[str]:
         s = self.stats
         out = [
+            self.read.summary(),
             f"records: {self.n_records}; kept {s.n_samples} samples, {s.n_tokens} tokens "
             f"({s.n_loss_tokens} loss tokens)",
-            f"skipped: {s.n_bad} bad, {s.n_too_few_loss} with too few loss tokens; truncated: {s.n_truncated}",
+            f"skipped: {s.n_bad} bad ({len(self.read.bad)} when read, {s.n_bad - len(self.read.bad)} when "
+            f"tokenized), {s.n_too_few_loss} with too few loss tokens; truncated to max_length: {s.n_truncated}",
             f"features: layers {self.layer_ids} x hidden {self.hidden_size} = "
             f"{len(self.layer_ids) * self.hidden_size} values per token"
             + (f", + the final normed state ({self.hidden_size}) = {self.slots * self.hidden_size}"
@@ -107,24 +110,23 @@ def estimate(cfg: PipelineConfig, tokens_per_s: float = DEFAULT_TOKENS_PER_S,
     text_cfg = load_teacher_config(cfg.teacher)
     layer_ids = resolve_layer_ids(cfg.cache, int(text_cfg.num_hidden_layers))
     mask_token = resolve_mask_token(cfg.mask_token_id, tokenizer, int(text_cfg.vocab_size))
-    data = load_records(cfg.data.path, cfg.data.skip_bad)
-    if any(not r.pretokenized for r in data.records):
-        check_chat_template(tokenizer)
-    samples, stats = sample_rules(cfg).prepare(data.records, tokenizer)
-    stats.n_bad += len(data.bad)
+    counts = ReadCounts()
+    records = iter_records(cfg.data.path, cfg.data.skip_bad, counts)  # a stream: memory flat in the data size
+    stats = TokenizeStats()
     n_buckets = len(cfg.cache.bucket_edges) + 1
     bs, bt = [0] * n_buckets, [0] * n_buckets
-    for s in samples:
+    for s in sample_rules(cfg).iter(records, tokenizer, stats):
         b = bucket_of(cfg.cache.bucket_edges, cfg.data.max_length, s.length)
         bs[b] += 1
         bt[b] += s.length
+    stats.n_bad += len(counts.bad)
     hidden = int(text_cfg.hidden_size)
-    return Estimate(stats, data.n_total, hidden, layer_ids, bs, bt,
+    return Estimate(stats, counts.n_total, hidden, layer_ids, bs, bt,
                     projected_bytes(stats.n_tokens, len(layer_ids) + int(cfg.cache.store_final_hidden), hidden),
                     mask_token, kernel_hint(missing_kernels(text_cfg)),
                     bytes_with_final=projected_bytes(stats.n_tokens, len(layer_ids) + 1, hidden),
                     tokens_per_s=tokens_per_s, decode_gbps={**DECODE_GBPS_PER_CORE, **(decode_gbps or {})},
-                    final_hidden=cfg.cache.store_final_hidden)
+                    final_hidden=cfg.cache.store_final_hidden, read=counts)
 
 
 def _decode_rates(items: Sequence[str]) -> dict[str, float]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +38,7 @@ from dflash_cache.runtime.threads import budget_cpu_threads
 
 from .batching import Batch, collate, plan_batches
 from .config import ExtractConfig
-from .data import Record, load_records
+from .data import ReadCounts, Record, data_fingerprint, iter_records
 from .output import build_spec, check_units, complete_units, open_output, storage_errors
 from .progress import ExtractProgress, human_bytes
 from .run_config import sample_rules
@@ -98,7 +100,8 @@ class ExtractReport:
         return {k: float(v) for k, v in self.__dict__.items() if isinstance(v, int | float)}
 
     def lines(self) -> list[str]:
-        return [
+        read = self.extra.get("read")
+        return [read.summary()] * (read is not None) + [
             f"units: {self.units_total} ({self.units_skipped} already complete, {self.units_by_others} completed by "
             "another process meanwhile)",
             f"cache: {self.samples_in_cache} samples in {self.units_complete} complete units (re-checked against the "
@@ -138,14 +141,18 @@ class PreparedUnit:
         return list(self.meta["unit_buckets"])
 
 
-def check_records(rules: SampleRules, tokenizer: Any, vocab: int, records: list[Record]) -> None:
-    """Tokenize every record once and refuse the lot when any is bad, listing the first few."""
+def check_records(rules: SampleRules, tokenizer: Any, vocab: int, records: Iterable[Record]) -> None:
+    """Tokenize every record once (one at a time, nothing kept) and refuse the lot when any is bad, listing the
+    first few."""
     t0 = time.perf_counter()
-    _, stats = rules.prepare(records, tokenizer, vocab, skip_bad=True)
-    log.info("checked %d records in %.1f s before creating the cache", len(records), time.perf_counter() - t0)
+    stats = TokenizeStats()
+    for _ in rules.iter(records, tokenizer, stats, vocab, skip_bad=True):
+        pass
+    n = stats.n_samples + stats.n_too_few_loss + stats.n_bad
+    log.info("checked %d records in %.1f s before creating the cache", n, time.perf_counter() - t0)
     if stats.n_bad:
         shown = "\n  ".join(stats.bad_examples[:5])
-        raise DataError(f"{stats.n_bad} of {len(records)} records cannot be tokenized (checked before creating the "
+        raise DataError(f"{stats.n_bad} of {n} records cannot be tokenized (checked before creating the "
                         f"cache); the first {min(stats.n_bad, 5)}:\n  {shown}\nFix them, or pass --skip-bad to skip "
                         "such records (they are counted)")
 
@@ -274,11 +281,38 @@ def to_host(feats: torch.Tensor, argmax: torch.Tensor | None) -> tuple[torch.Ten
     return host, host_argmax, ready
 
 
-def group_by_unit(records: list[Record], unit_size: int) -> dict[int, list[Record]]:
-    out: dict[int, list[Record]] = {}
-    for r in records:
-        out.setdefault(r.sample_id // unit_size, []).append(r)
-    return out
+@dataclass
+class DataScan:
+    """One streaming pass over the input: how many records (the unit count follows), how many good ones each
+    unit holds (the progress total), and what reading counted (bad records by reason)."""
+
+    n_total: int
+    per_unit: Counter[int]
+    counts: ReadCounts
+    conversations: bool  # any record to template (else all are pre-tokenized)
+
+
+def scan_data(path: str, skip_bad: bool, unit_size: int) -> DataScan:
+    counts = ReadCounts()
+    per_unit: Counter[int] = Counter()
+    conversations = False
+    for r in iter_records(path, skip_bad, counts):
+        per_unit[r.sample_id // unit_size] += 1
+        conversations = conversations or not r.pretokenized
+    return DataScan(counts.n_total, per_unit, counts, conversations)
+
+
+def unit_records(records: Iterable[Record], unit_size: int, n_units: int) -> Iterator[tuple[int, list[Record]]]:
+    """``(unit, its records)`` for every unit ``0 .. n_units-1`` in order (an empty list for a unit whose records
+    were all bad), from records in sample-id order: one unit in memory at a time."""
+    it = iter(records)
+    pending = next(it, None)
+    for u in range(n_units):
+        recs = []
+        while pending is not None and pending.sample_id // unit_size == u:
+            recs.append(pending)
+            pending = next(it, None)
+        yield u, recs
 
 
 def run_extraction(cfg: PipelineConfig, out_url: str, progress: bool = True) -> ExtractReport:
@@ -294,25 +328,32 @@ def run_extraction(cfg: PipelineConfig, out_url: str, progress: bool = True) -> 
 
 
 def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_start: float) -> ExtractReport:
-    data = load_records(cfg.data.path, cfg.data.skip_bad)
+    # The data is streamed, never held: one pass counts it (units, progress total, bad records), an optional
+    # one checks it before the cache exists, and the unit loop reads it again one unit at a time.
+    unit_size = cfg.extract.unit_size
+    scan = scan_data(cfg.data.path, cfg.data.skip_bad, unit_size)
     model, tokenizer = load_teacher(cfg.teacher)
-    if any(not r.pretokenized for r in data.records):
+    if scan.conversations:
         check_chat_template(tokenizer)
     layer_ids = resolve_layer_ids(cfg.cache, num_decoder_layers(model))
-    unit_size = cfg.extract.unit_size
-    n_units = -(-data.n_total // unit_size)
-    by_unit = group_by_unit(data.records, unit_size)
+    n_units = -(-scan.n_total // unit_size)
     own = [u for u in range(n_units) if u % ctx.world_size == ctx.rank]
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    check = None if cfg.data.skip_bad else (
-        lambda: check_records(sample_rules(cfg), tokenizer, vocab, [r for u in own for r in by_unit.get(u, [])]))
-    spec = build_spec(cfg, model, tokenizer, layer_ids, data.fingerprint)
+
+    def own_records() -> Iterator[Record]:
+        return (r for r in iter_records(cfg.data.path, warn=False) if (r.sample_id // unit_size) % ctx.world_size
+                == ctx.rank)
+
+    check = None if cfg.data.skip_bad else lambda: check_records(sample_rules(cfg), tokenizer, vocab, own_records())
+    spec = build_spec(cfg, model, tokenizer, layer_ids, data_fingerprint(cfg.data.path))
     cache = open_output(ctx, out_url, spec, cfg, model, check)
     complete = complete_units(cache)
     mine = [u for u in own if u not in complete]
-    todo_total = sum(len(by_unit.get(u, [])) for u in range(n_units) if u not in complete)
-    report = ExtractReport(units_total=n_units, units_skipped=len(complete), n_bad=len(data.bad) if ctx.rank == 0 else 0,
-                           n_bad_files=len(data.bad_files) if ctx.rank == 0 else 0)
+    todo_total = sum(n for u, n in scan.per_unit.items() if u not in complete)
+    report = ExtractReport(units_total=n_units, units_skipped=len(complete),
+                           n_bad=len(scan.counts.bad) if ctx.rank == 0 else 0,
+                           n_bad_files=len(scan.counts.bad_files) if ctx.rank == 0 else 0)
+    report.extra["read"] = scan.counts
     log.info("rank %d/%d: %d of %d units to extract (%d already complete)", ctx.rank, ctx.world_size, len(mine),
              n_units, len(complete))
     bar = ExtractProgress(ctx, todo_total, enabled=show)
@@ -326,10 +367,17 @@ def _run(cfg: PipelineConfig, out_url: str, ctx: Distributed, show: bool, t_star
     t_loop = time.perf_counter()
     try:
         deferred = {}
-        for u in mine:
-            prep = runner.prepare(u, by_unit.get(u, []))
-            if not runner.try_run(prep):
-                deferred[u] = prep
+        todo = set(mine)
+        again = ReadCounts()
+        for u, recs in unit_records(iter_records(cfg.data.path, cfg.data.skip_bad, again, warn=False), unit_size,
+                                    n_units):
+            if u in todo:
+                prep = runner.prepare(u, recs)
+                if not runner.try_run(prep):
+                    deferred[u] = prep
+        if again.n_total != scan.n_total:
+            raise DataError(f"{cfg.data.path}: changed while being read ({scan.n_total} records, then "
+                            f"{again.n_total}); keep the input fixed during extraction and rerun")
         wait_for_others(runner, deferred)
         stats = writer.close()
         report.loop_s = time.perf_counter() - t_loop
