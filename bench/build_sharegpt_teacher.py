@@ -61,10 +61,10 @@ class Recipe:
     intermediate_size: int = 384
     seq_len: int = 128
     batch_size: int = 8
-    steps: int = 700
+    steps: int = 1600
     lr: float = 3e-3
     min_lr_fraction: float = 0.1
-    warmup_steps: int = 40
+    warmup_steps: int = 50
     weight_decay: float = 0.1
     clip: float = 1.0
     max_chars_per_turn: int = 4000  # a long turn is cut (code dumps would otherwise dominate)
