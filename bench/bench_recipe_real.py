@@ -30,6 +30,7 @@ Writes ``bench/results/bench_recipe_real.json``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -38,7 +39,7 @@ import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -286,24 +287,41 @@ def main() -> int:
     if args.humaneval:
         prompt_sets["humaneval"] = prompt_ids(tokenizer, humaneval_prompts(args.humaneval))
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in args.arms}
-    jobs = []
+    # each finished run is kept in the workdir under a key of everything that decides it: an interrupted grid
+    # resumes where it stopped, and a grid that adds arms or seeds reuses the runs it shares
+    done_dir = workdir / "done"
+    done_dir.mkdir(exist_ok=True)
+    pending, results = [], []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for arm in args.arms:
             overrides = [*common, *BASE, *ARMS[arm], f"train.seed={seed}", f"train.max_steps={args.steps}",
                          "metrics.progress_bar=false", "metrics.tensorboard=false", "eval.every_steps=1000000",
                          f"checkpoint.every_steps={args.steps}"]
-            jobs.append((arm, (args.config, overrides, cache_url, workdir / "runs" / f"{arm}-seed{seed}", prompt_sets,
-                               arm == "untrained", args.samplings)))
-    if args.jobs == 1:
-        results = [(arm, run_one(*a)) for arm, a in jobs]
-    else:
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [(arm, pool.submit(run_one, *a)) for arm, a in jobs]
-            results = [(arm, f.result()) for arm, f in futures]
-    for arm, res in results:
-        runs[arm].append(res)
+            key = hashlib.sha256(json.dumps([arm, overrides, prompt_sets, args.samplings]).encode()).hexdigest()[:12]
+            done = done_dir / f"{arm}-seed{seed}-{key}.json"
+            if done.exists():
+                results.append((arm, json.loads(done.read_text())))
+                continue
+            pending.append((arm, done, (args.config, overrides, cache_url, workdir / "runs" / f"{arm}-seed{seed}",
+                                        prompt_sets, arm == "untrained", args.samplings)))
+
+    def finished(arm: str, done: Path, res: dict[str, Any]) -> None:
+        done.write_text(json.dumps(res) + "\n")
+        results.append((arm, res))
         print(f"{arm:>14} seed {res['seed']}: " + "  ".join(f"{k} {v:.3f}" for k, v in measures(res).items())
               + f"  load {res['loadavg_1m_at_end']}", flush=True)
+
+    print(f"{len(results)} run(s) reused from {done_dir}, {len(pending)} to run", flush=True)
+    if args.jobs == 1:
+        for arm, done, a in pending:
+            finished(arm, done, run_one(*a))
+    elif pending:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(run_one, *a): (arm, done) for arm, done, a in pending}
+            for f in as_completed(futures):
+                finished(*futures[f], f.result())
+    for arm, res in sorted(results, key=lambda r: r[1]["seed"]):
+        runs[arm].append(res)
     summary = summarize(runs)
     timing = workdir / "data_timing.json"
     out = {

@@ -98,13 +98,18 @@ def test_position_acceptance_counts_cycles_that_kept_k_drafts():
     assert brr.position_acceptance([1, 3, 8], 8) == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])
 
 
-def test_bench_recipe_real_short_variant_on_the_tiny_teacher(monkeypatch, tmp_path):
+def test_bench_recipe_real_short_variant_on_the_tiny_teacher(monkeypatch, tmp_path, capsys):
     out = tmp_path / "out.json"
-    _run(monkeypatch, "bench_recipe_real", "--teacher", "tiny", "--train-prompts", "12", "--heldout-prompts", "1",
-         "--humaneval", "1", "--steps", "2", "--seeds", "2", "--jobs", "1", "--arms", "untrained", "base", "tv",
-         "--max-new-tokens", "12", "--live-new-tokens", "4", "--prompt-chars", "120", "--workdir", str(tmp_path / "w"),
-         "--out", str(out))
+    argv = ["--teacher", "tiny", "--train-prompts", "12", "--heldout-prompts", "1", "--humaneval", "1", "--steps", "2",
+            "--seeds", "2", "--jobs", "1", "--arms", "untrained", "base", "tv", "--max-new-tokens", "12",
+            "--live-new-tokens", "4", "--prompt-chars", "120", "--workdir", str(tmp_path / "w"), "--out", str(out)]
+    _run(monkeypatch, "bench_recipe_real", *argv)
+    assert "0 run(s) reused" in capsys.readouterr().out
     res = json.loads(out.read_text())
+    # a second call reuses every finished run (an interrupted grid resumes), with the same figures
+    _run(monkeypatch, "bench_recipe_real", *argv)
+    assert "6 run(s) reused" in capsys.readouterr().out
+    assert json.loads(out.read_text())["runs"] == res["runs"]
     assert res["prompts"] == {"sharegpt_heldout": 1, "humaneval": 1} and res["seeds"] == [1, 2]
     runs = res["runs"]
     assert [r["seed"] for r in runs["base"]] == [1, 2] and all(r["steps"] == 2 for r in runs["base"] + runs["tv"])
