@@ -292,8 +292,8 @@ def main() -> int:
     done_dir = workdir / "done"
     done_dir.mkdir(exist_ok=True)
     pending, results = [], []
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
-        for arm in args.arms:
+    for arm in args.arms:  # arm by arm: an interrupted grid has every seed of the arms listed first
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             overrides = [*common, *BASE, *ARMS[arm], f"train.seed={seed}", f"train.max_steps={args.steps}",
                          "metrics.progress_bar=false", "metrics.tensorboard=false", "eval.every_steps=1000000",
                          f"checkpoint.every_steps={args.steps}"]
