@@ -264,6 +264,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96, help="regenerated reply length")
     ap.add_argument("--live-new-tokens", type=int, default=64, help="tokens generated per live prompt")
     ap.add_argument("--samplings", nargs="*", default=DEFAULT_SAMPLINGS, help=f"some of {list(SAMPLINGS)}")
+    ap.add_argument("--finished-only", action="store_true", help="report the runs already finished in --workdir "
+                    "and run nothing (an interrupted grid)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config overrides for every run")
     ap.add_argument("--workdir", default="/tmp/bench_recipe_real", help="the cache and run dirs")
     ap.add_argument("--out", default=str(RESULTS / "bench_recipe_real.json"))
@@ -311,6 +313,9 @@ def main() -> int:
         print(f"{arm:>14} seed {res['seed']}: " + "  ".join(f"{k} {v:.3f}" for k, v in measures(res).items())
               + f"  load {res['loadavg_1m_at_end']}", flush=True)
 
+    if args.finished_only:  # an interrupted grid reported as far as it got (the missing runs named)
+        print("not run: " + (", ".join(str(p[1].name).rsplit("-", 1)[0] for p in pending) or "none"), flush=True)
+        pending = []
     print(f"{len(results)} run(s) reused from {done_dir}, {len(pending)} to run", flush=True)
     if args.jobs == 1:
         for arm, done, a in pending:
@@ -322,11 +327,13 @@ def main() -> int:
                 finished(*futures[f], f.result())
     for arm, res in sorted(results, key=lambda r: r[1]["seed"]):
         runs[arm].append(res)
+    runs = {arm: rs for arm, rs in runs.items() if rs}
     summary = summarize(runs)
     timing = workdir / "data_timing.json"
     out = {
         "teacher": args.teacher, "config": args.config, "common_overrides": common, "base": BASE, "arms": args.arms,
         "steps_per_run": args.steps, "seeds": list(range(args.first_seed, args.first_seed + args.seeds)),
+        "seeds_run": {arm: [r["seed"] for r in rs] for arm, rs in runs.items()},
         "train_prompts": args.train_prompts, "prompts": {k: len(v) for k, v in prompt_sets.items()},
         "live_new_tokens": args.live_new_tokens, "samplings": {k: vars(SAMPLINGS[k]) for k in args.samplings},
         "cache": cache_url, "data_timing": json.loads(timing.read_text()) if timing.exists() else None,

@@ -110,6 +110,11 @@ def test_bench_recipe_real_short_variant_on_the_tiny_teacher(monkeypatch, tmp_pa
     _run(monkeypatch, "bench_recipe_real", *argv)
     assert "6 run(s) reused" in capsys.readouterr().out
     assert json.loads(out.read_text())["runs"] == res["runs"]
+    # a grid cut short: report what finished, name what did not, run nothing
+    _run(monkeypatch, "bench_recipe_real", *argv, "--seeds", "3", "--arms", "base", "dflash2", "--finished-only")
+    assert "not run: base-seed3, dflash2-seed1, dflash2-seed2, dflash2-seed3" in capsys.readouterr().out
+    cut = json.loads(out.read_text())
+    assert cut["seeds_run"] == {"base": [1, 2]} and cut["runs"]["base"] == res["runs"]["base"]
     assert res["prompts"] == {"sharegpt_heldout": 1, "humaneval": 1} and res["seeds"] == [1, 2]
     runs = res["runs"]
     assert [r["seed"] for r in runs["base"]] == [1, 2] and all(r["steps"] == 2 for r in runs["base"] + runs["tv"])
