@@ -15,7 +15,7 @@ Everything is seeded and the data order is the file's, so the same recipe builds
 same torch version and thread count). The directory lands in ``$DFLASH_HOME`` (default
 ``~/.cache/dflash-pipeline``) under ``sharegpt-teacher-<hash of the recipe>``; a second call reuses it.
 
-    python bench/build_sharegpt_teacher.py [--threads 2] [--steps N] [--measure]
+    python bench/build_sharegpt_teacher.py [--threads 1] [--steps N] [--set FIELD=VALUE] [--measure]
 
 ``--measure`` also reports held-out perplexity, bits per byte and mean next-token entropy for this teacher
 and for the tiny random one (the same code, :func:`language_stats`), into the directory's ``build.json``.
