@@ -11,10 +11,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from fixtures.trainer import CONFIG, MASK_TOKEN_ID, ROOT, run_train, small_cache, train_env
+
 from dflash_cache import open_cache
 from dflash_cache.runtime.reference import render
 from dflash_cache.runtime.schema import SECTION_READERS, PipelineConfig
-from tests.fixtures.trainer import CONFIG, MASK_TOKEN_ID, ROOT, run_train, small_cache, train_env
 
 # tiny.toml's data.max_length is 512; an extraction budget of 128 tokens is below it (and below the cache's
 # longest samples): dflash-extract refuses this config, dflash-train does not read it
