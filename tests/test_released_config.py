@@ -156,9 +156,15 @@ def _spec(layers=(1, 2, 3), num_layers=6):
 
 
 def _model_section(init_from: Path | None = None) -> ModelConfig:
+    """The ``model`` section a user warm-starting from ``init_from`` writes: the released drafter's shapes."""
+    layout = {}
+    if init_from is not None:
+        released = json.loads((Path(init_from) / "config.json").read_text())
+        if set(released.get("layer_types") or []) <= {"full_attention", "sliding_attention"}:
+            layout = {"layer_types": released.get("layer_types"), "sliding_window": released.get("sliding_window")}
     return ModelConfig(num_hidden_layers=LAYERS, block_size=BLOCK, mask_token_id=MASK, num_attention_heads=HEADS,
                        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=MLP, rope_theta=10000.0,
-                       attention="sdpa", init_from=str(init_from) if init_from else None)
+                       attention="sdpa", init_from=str(init_from) if init_from else None, **layout)
 
 
 ANCHORS = [5, 9, 20, 33]
