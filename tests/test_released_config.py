@@ -162,6 +162,8 @@ def _model_section(init_from: Path | None = None) -> ModelConfig:
         released = json.loads((Path(init_from) / "config.json").read_text())
         if set(released.get("layer_types") or []) <= {"full_attention", "sliding_attention"}:
             layout = {"layer_types": released.get("layer_types"), "sliding_window": released.get("sliding_window")}
+        if released.get("architectures") == ["DFlash2DraftModel"]:
+            layout.update(arch="dflash2", **{k: released["dflash_config"][k] for k in DFLASH2_MODULES})
     return ModelConfig(num_hidden_layers=LAYERS, block_size=BLOCK, mask_token_id=MASK, num_attention_heads=HEADS,
                        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=MLP, rope_theta=10000.0,
                        attention="sdpa", init_from=str(init_from) if init_from else None, **layout)
@@ -275,3 +277,76 @@ def test_reading_the_teachers_last_layer_warns_at_config_time_and_at_export(tmp_
     caplog.clear()
     build_drafter(_model_section(), _spec(layers=(1, 3, 4)), tiny_head(3))  # layer 4 of 6: SGLang captures it
     assert not any("SGLang" in r.getMessage() for r in caplog.records)
+
+
+# ---- DFlash2: the same reading, checked by which block rows an edit reaches ------------------------------------
+
+DFLASH2_MODULES = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 8, "selector_rank": 4}
+
+
+def released_dflash2(directory: Path, layer_types: list[str], **top) -> dict:
+    """A released-style DFlash2 directory: ``DFlash2DraftModel`` with its modules in ``dflash_config`` and only the
+    reference's causality key (``is_causal`` from ``top``, or none). Its weights are a randomised DFlash2 drafter
+    of these shapes under the released tensor names; the oracle below does not read them."""
+    sliding = "sliding_attention" in layer_types
+    fresh = build_drafter(ModelConfig(num_hidden_layers=len(layer_types), block_size=BLOCK, mask_token_id=MASK,
+                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                      intermediate_size=MLP, rope_theta=10000.0, attention="sdpa", arch="dflash2",
+                                      layer_types=layer_types, sliding_window=WINDOW if sliding else None,
+                                      **DFLASH2_MODULES), _spec(), tiny_head(3))
+    torch.manual_seed(11)
+    with torch.no_grad():  # weights well away from the initialisation, so every path carries signal
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.2)
+    export_drafter(fresh.state_dict(), fresh.config, directory, dtype="float32")
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("is_causal",):
+        config.pop(key, None)
+    for key in ("causal", "sliding_within_block"):  # this product's keys: a released config has neither
+        config["dflash_config"].pop(key, None)
+    config.update(top)
+    (directory / "config.json").write_text(json.dumps(config))
+    return config
+
+
+def _rows_reached_by_a_later_edit(model, batch, position: int) -> list[bool]:
+    """Replace the block token at ``position`` (a mask, in every block) and report, per earlier block row, whether
+    its logits changed: the attention pattern the model actually runs, whatever its mask code says."""
+    blocks = build_blocks(FlatBatch.of(batch), torch.tensor(ANCHORS), BLOCK, MASK)
+    edited = blocks.block_ids.clone()
+    edited[:, position] = 7
+    with torch.no_grad():
+        base = model.logits(model(batch.features, blocks.block_ids, blocks.block_positions, blocks.layout))
+        moved = model.logits(model(batch.features, edited, blocks.block_positions, blocks.layout))
+    base, moved = base.view(len(ANCHORS), BLOCK, -1), moved.view(len(ANCHORS), BLOCK, -1)
+    diff = (base - moved).abs().amax(dim=(0, 2))  # [BLOCK]
+    assert diff[position] > 1e-3  # the edit reaches its own row
+    for d in diff[:position]:
+        assert d < 1e-6 or d > 1e-3, f"ambiguous change {d}"
+    return [bool(d > 1e-3) for d in diff[:position]]
+
+
+DFLASH2_LAYOUTS = {"sliding": ["sliding_attention"] * 2, "mixed": ["sliding_attention", "full_attention"],
+                   "full": ["full_attention"] * 2}
+
+
+@pytest.mark.parametrize("layout", list(DFLASH2_LAYOUTS))
+@pytest.mark.parametrize("is_causal", [None, True, False], ids=["absent", "true", "false"])
+def test_a_released_dflash2_config_attends_within_the_block_as_the_reference_reads_it(tmp_path, layout, is_causal):
+    layer_types = DFLASH2_LAYOUTS[layout]
+    config = released_dflash2(tmp_path / "released", layer_types,
+                              **({} if is_causal is None else {"is_causal": is_causal}))
+    model = build_drafter(_model_section(tmp_path / "released"), _spec(), tiny_head(3)).eval()
+    assert model.config.arch == "dflash2"
+    # the reference: earlier rows are shielded from a later block token only when every layer is causal (the
+    # grouped convolution and the selector look backwards only); the window (6) reaches back from the last row
+    every_layer_causal = all(reference_causal(config, i) for i in range(len(layer_types)))
+    reached = _rows_reached_by_a_later_edit(model, tiny_batch(rows=1, length=48, seed=4), position=BLOCK - 1)
+    assert not any(reached) if every_layer_causal else any(reached), reached
+    # and the export says the same rule again
+    out = export_drafter(model.state_dict(), model.config, tmp_path / "export", dtype="float32")
+    exported = json.loads((out / "config.json").read_text())
+    assert [reference_causal(exported, i) for i in range(len(layer_types))] == [
+        reference_causal(config, i) for i in range(len(layer_types))]
+    assert exported["architectures"] == ["DFlash2DraftModel"]
