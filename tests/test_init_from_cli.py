@@ -175,6 +175,13 @@ def test_released_shapes_that_differ_from_the_run_stop_the_cli_saying_what_to_se
     assert field in error and to_set in error, error
 
 
+def test_a_released_mask_embedding_file_is_refused_by_name(cache, tmp_path):
+    released = write_released(tmp_path / "pre" / "released", released_config())
+    torch.save(torch.zeros(HIDDEN), released / "mask_embedding.pt")
+    proc = _run(cache, tmp_path / "run", *LAYOUT, f"model.init_from={released}", "train.max_steps=2", expect=2)
+    assert "Traceback" not in proc.stderr and f"{released}/mask_embedding.pt" in proc.stderr.splitlines()[-1]
+
+
 def test_a_released_config_that_is_not_one_is_refused_by_file_and_field(cache, tmp_path):
     config = released_config()
     del config["num_attention_heads"]

@@ -262,7 +262,9 @@ def test_a_released_config_asking_for_what_is_not_implemented_is_refused_by_name
 
 def test_neutral_engine_fields_and_an_agreeing_causal_key_are_accepted(tmp_path):
     config = released_config(attention_sink_bias=False, attention_value_scale=1.0, swa_window_size=None,
-                             is_causal=False, dflash_config={"causal": False, "sliding_within_block": "bidirectional"})
+                             is_neox_style=True, logit_scale=1.0, add_swa_attention_sink_bias=False, is_causal=False,
+                             dflash_config={"causal": False, "sliding_within_block": "bidirectional",
+                                            "swa_window_size": WINDOW})  # vLLM's window key, the same window
     model = build_drafter(_model_section(write_released(tmp_path / "r", config)), _spec(), tiny_head(3))
     assert [model.config.within_block(i) for i in range(LAYERS)] == ["bidirectional", "bidirectional"]
 

@@ -807,6 +807,9 @@ def read_drafter_config(directory: str | Path) -> DFlashConfig:
     for p in (cfg_path, weights):
         if not p.is_file():
             raise ConfigError(f"{d} is not a drafter directory: {p.name} is missing (expected config.json + model.safetensors)")
+    if (d / "mask_embedding.pt").exists():  # vLLM substitutes it for the mask token's embedding; this drafter cannot
+        raise ConfigError(f"{d / 'mask_embedding.pt'}: a separate mask embedding (vLLM uses it for the mask token) is "
+                          "not implemented here; a drafter trained without it would not be the one vLLM serves")
     try:
         raw = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
