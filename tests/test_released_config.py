@@ -352,3 +352,27 @@ def test_a_released_dflash2_config_attends_within_the_block_as_the_reference_rea
     assert [reference_causal(exported, i) for i in range(len(layer_types))] == [
         reference_causal(config, i) for i in range(len(layer_types))]
     assert exported["architectures"] == ["DFlash2DraftModel"]
+
+
+@pytest.mark.parametrize("arch,engines", [("dflash", "not applied by SGLang and vLLM"),
+                                          ("dflash2", "not applied by SGLang (")])
+def test_an_input_scale_an_engine_ignores_warns_at_config_time_and_at_export(tmp_path, caplog, arch, engines):
+    """SGLang's DFlash config parser never reads the scale; vLLM applies it for DFlash2 only (docs/serving.md)."""
+    if arch == "dflash":
+        write_released(tmp_path / "r", released_config(dflash_config={"input_embedding_scale": 2.0}))
+    else:
+        released_dflash2(tmp_path / "r", DFLASH2_LAYOUTS["mixed"])
+        config = json.loads((tmp_path / "r" / "config.json").read_text())
+        config["dflash_config"]["input_embedding_scale"] = 2.0
+        (tmp_path / "r" / "config.json").write_text(json.dumps(config))
+    caplog.clear()
+    model = build_drafter(_model_section(tmp_path / "r"), _spec(), tiny_head(3))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "input_embedding_scale" in
+              r.getMessage()]
+    assert len(warned) == 1 and engines in warned[0], warned
+    caplog.clear()
+    export_drafter(model.state_dict(), model.config, tmp_path / "e", dtype="float32")
+    assert any(engines in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    caplog.clear()
+    build_drafter(_model_section(write_released(tmp_path / "plain", released_config())), _spec(), tiny_head(3))
+    assert not any("input_embedding_scale" in r.getMessage() for r in caplog.records)

@@ -372,8 +372,8 @@ def warn_unserved_input_scale(cfg: DFlashConfig, where: str) -> None:
     """Warn when ``cfg`` scales its block embeddings and an engine serving its family would not."""
     engines = ENGINES_IGNORING_INPUT_SCALE.get(cfg.arch)
     if cfg.input_embedding_scale != 1.0 and engines:
-        log.warning("%s: dflash_config.input_embedding_scale = %g, which %s do not apply (they feed the block's "
-                    "embeddings unscaled), so they would serve this %s drafter as a different model from the one "
+        log.warning("%s: dflash_config.input_embedding_scale = %g is not applied by %s (the block's embeddings "
+                    "are fed unscaled), so this %s drafter would be served as a different model from the one "
                     "trained (transformers' dflash.py and the DFlash reference apply it); see docs/serving.md",
                     where, cfg.input_embedding_scale, engines, ARCHITECTURES[cfg.arch])
 
