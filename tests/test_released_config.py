@@ -156,9 +156,17 @@ def _spec(layers=(1, 2, 3), num_layers=6):
 
 
 def _model_section(init_from: Path | None = None) -> ModelConfig:
+    """The ``model`` section a user warm-starting from ``init_from`` writes: the released drafter's shapes."""
+    layout = {}
+    if init_from is not None:
+        released = json.loads((Path(init_from) / "config.json").read_text())
+        if set(released.get("layer_types") or []) <= {"full_attention", "sliding_attention"}:
+            layout = {"layer_types": released.get("layer_types"), "sliding_window": released.get("sliding_window")}
+        if released.get("architectures") == ["DFlash2DraftModel"]:
+            layout.update(arch="dflash2", **{k: released["dflash_config"][k] for k in DFLASH2_MODULES})
     return ModelConfig(num_hidden_layers=LAYERS, block_size=BLOCK, mask_token_id=MASK, num_attention_heads=HEADS,
                        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=MLP, rope_theta=10000.0,
-                       attention="sdpa", init_from=str(init_from) if init_from else None)
+                       attention="sdpa", init_from=str(init_from) if init_from else None, **layout)
 
 
 ANCHORS = [5, 9, 20, 33]
@@ -254,7 +262,9 @@ def test_a_released_config_asking_for_what_is_not_implemented_is_refused_by_name
 
 def test_neutral_engine_fields_and_an_agreeing_causal_key_are_accepted(tmp_path):
     config = released_config(attention_sink_bias=False, attention_value_scale=1.0, swa_window_size=None,
-                             is_causal=False, dflash_config={"causal": False, "sliding_within_block": "bidirectional"})
+                             is_neox_style=True, logit_scale=1.0, add_swa_attention_sink_bias=False, is_causal=False,
+                             dflash_config={"causal": False, "sliding_within_block": "bidirectional",
+                                            "swa_window_size": WINDOW})  # vLLM's window key, the same window
     model = build_drafter(_model_section(write_released(tmp_path / "r", config)), _spec(), tiny_head(3))
     assert [model.config.within_block(i) for i in range(LAYERS)] == ["bidirectional", "bidirectional"]
 
@@ -269,3 +279,100 @@ def test_reading_the_teachers_last_layer_warns_at_config_time_and_at_export(tmp_
     caplog.clear()
     build_drafter(_model_section(), _spec(layers=(1, 3, 4)), tiny_head(3))  # layer 4 of 6: SGLang captures it
     assert not any("SGLang" in r.getMessage() for r in caplog.records)
+
+
+# ---- DFlash2: the same reading, checked by which block rows an edit reaches ------------------------------------
+
+DFLASH2_MODULES = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 8, "selector_rank": 4}
+
+
+def released_dflash2(directory: Path, layer_types: list[str], **top) -> dict:
+    """A released-style DFlash2 directory: ``DFlash2DraftModel`` with its modules in ``dflash_config`` and only the
+    reference's causality key (``is_causal`` from ``top``, or none). Its weights are a randomised DFlash2 drafter
+    of these shapes under the released tensor names; the oracle below does not read them."""
+    sliding = "sliding_attention" in layer_types
+    fresh = build_drafter(ModelConfig(num_hidden_layers=len(layer_types), block_size=BLOCK, mask_token_id=MASK,
+                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                      intermediate_size=MLP, rope_theta=10000.0, attention="sdpa", arch="dflash2",
+                                      layer_types=layer_types, sliding_window=WINDOW if sliding else None,
+                                      **DFLASH2_MODULES), _spec(), tiny_head(3))
+    torch.manual_seed(11)
+    with torch.no_grad():  # weights well away from the initialisation, so every path carries signal
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.2)
+    export_drafter(fresh.state_dict(), fresh.config, directory, dtype="float32")
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("is_causal",):
+        config.pop(key, None)
+    for key in ("causal", "sliding_within_block"):  # this product's keys: a released config has neither
+        config["dflash_config"].pop(key, None)
+    config.update(top)
+    (directory / "config.json").write_text(json.dumps(config))
+    return config
+
+
+def _rows_reached_by_a_later_edit(model, batch, position: int) -> list[bool]:
+    """Replace the block token at ``position`` (a mask, in every block) and report, per earlier block row, whether
+    its logits changed: the attention pattern the model actually runs, whatever its mask code says."""
+    blocks = build_blocks(FlatBatch.of(batch), torch.tensor(ANCHORS), BLOCK, MASK)
+    edited = blocks.block_ids.clone()
+    edited[:, position] = 7
+    with torch.no_grad():
+        base = model.logits(model(batch.features, blocks.block_ids, blocks.block_positions, blocks.layout))
+        moved = model.logits(model(batch.features, edited, blocks.block_positions, blocks.layout))
+    base, moved = base.view(len(ANCHORS), BLOCK, -1), moved.view(len(ANCHORS), BLOCK, -1)
+    diff = (base - moved).abs().amax(dim=(0, 2))  # [BLOCK]
+    assert diff[position] > 1e-3  # the edit reaches its own row
+    for d in diff[:position]:
+        assert d < 1e-6 or d > 1e-3, f"ambiguous change {d}"
+    return [bool(d > 1e-3) for d in diff[:position]]
+
+
+DFLASH2_LAYOUTS = {"sliding": ["sliding_attention"] * 2, "mixed": ["sliding_attention", "full_attention"],
+                   "full": ["full_attention"] * 2}
+
+
+@pytest.mark.parametrize("layout", list(DFLASH2_LAYOUTS))
+@pytest.mark.parametrize("is_causal", [None, True, False], ids=["absent", "true", "false"])
+def test_a_released_dflash2_config_attends_within_the_block_as_the_reference_reads_it(tmp_path, layout, is_causal):
+    layer_types = DFLASH2_LAYOUTS[layout]
+    config = released_dflash2(tmp_path / "released", layer_types,
+                              **({} if is_causal is None else {"is_causal": is_causal}))
+    model = build_drafter(_model_section(tmp_path / "released"), _spec(), tiny_head(3)).eval()
+    assert model.config.arch == "dflash2"
+    # the reference: earlier rows are shielded from a later block token only when every layer is causal (the
+    # grouped convolution and the selector look backwards only); the window (6) reaches back from the last row
+    every_layer_causal = all(reference_causal(config, i) for i in range(len(layer_types)))
+    reached = _rows_reached_by_a_later_edit(model, tiny_batch(rows=1, length=48, seed=4), position=BLOCK - 1)
+    assert not any(reached) if every_layer_causal else any(reached), reached
+    # and the export says the same rule again
+    out = export_drafter(model.state_dict(), model.config, tmp_path / "export", dtype="float32")
+    exported = json.loads((out / "config.json").read_text())
+    assert [reference_causal(exported, i) for i in range(len(layer_types))] == [
+        reference_causal(config, i) for i in range(len(layer_types))]
+    assert exported["architectures"] == ["DFlash2DraftModel"]
+
+
+@pytest.mark.parametrize("arch,engines", [("dflash", "not applied by SGLang and vLLM"),
+                                          ("dflash2", "not applied by SGLang (")])
+def test_an_input_scale_an_engine_ignores_warns_at_config_time_and_at_export(tmp_path, caplog, arch, engines):
+    """SGLang's DFlash config parser never reads the scale; vLLM applies it for DFlash2 only (docs/serving.md)."""
+    if arch == "dflash":
+        write_released(tmp_path / "r", released_config(dflash_config={"input_embedding_scale": 2.0}))
+    else:
+        released_dflash2(tmp_path / "r", DFLASH2_LAYOUTS["mixed"])
+        config = json.loads((tmp_path / "r" / "config.json").read_text())
+        config["dflash_config"]["input_embedding_scale"] = 2.0
+        (tmp_path / "r" / "config.json").write_text(json.dumps(config))
+    caplog.clear()
+    model = build_drafter(_model_section(tmp_path / "r"), _spec(), tiny_head(3))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "input_embedding_scale" in
+              r.getMessage()]
+    assert len(warned) == 1 and engines in warned[0], warned
+    caplog.clear()
+    export_drafter(model.state_dict(), model.config, tmp_path / "e", dtype="float32")
+    assert any(engines in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    caplog.clear()
+    build_drafter(_model_section(write_released(tmp_path / "plain", released_config())), _spec(), tiny_head(3))
+    assert not any("input_embedding_scale" in r.getMessage() for r in caplog.records)

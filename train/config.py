@@ -53,7 +53,7 @@ class ModelConfig(Section):
     """Keep only each drafter layer's input for backward and recompute the layer (less memory, ~1/3 more
     compute)."""
     init_from: str | None = None
-    """A released drafter directory (config.json + safetensors) to start from; its config.json is read as the DFlash reference reads it (is_causal, input_embedding_scale: docs/fidelity.md) and fields this trainer does not implement are refused by name."""
+    """A released drafter directory (config.json + safetensors) to start from; its config.json is read as the DFlash reference reads it (is_causal, input_embedding_scale: docs/fidelity.md) and fields this trainer does not implement are refused by name. Its shapes must equal this section's (the error says which `--set model.KEY=VALUE`)."""
     arch: Literal["dflash", "dflash2"] = "dflash"
     """Drafter family: `dflash`, or `dflash2` (DFlash plus a grouped dynamic causal convolution before and after
     each attention and MLP sublayer, and a low-rank candidate selector over the unary top-K; docs/architecture.md).

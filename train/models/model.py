@@ -265,11 +265,22 @@ _DFLASH_CONFIG_KEYS = {
     "selector_top_k", "selector_rank",
 }
 # Fields a serving engine reads for some drafters that this product does not implement, with their neutral values
-# (a config holding one of those values means what it would without the field).
+# (a config holding one of those values means what it would without the field), as the engines read them
+# (docs/serving.md): ``attention_sink_bias`` adds a learned per-head sink logit to every softmax (SGLang
+# speculative/dflash_utils.py, vLLM models/qwen3_dflash.py, which also takes the top-level
+# ``add_swa_attention_sink_bias``); ``attention_value_scale`` multiplies V before attention (SGLang
+# dflash_utils.py, as MiMo's attention does); ``swa_window_size`` is the sliding layers' window, taken by vLLM
+# before ``sliding_window`` (so it is neutral where it equals ``sliding_window`` or no layer slides: see
+# ``refuse_unsupported_fields``); ``is_neox_style`` false rotates interleaved pairs (vLLM, SGLang), where this
+# drafter rotates halves; ``logit_scale`` multiplies vLLM's draft logits.
 UNSUPPORTED_ENGINE_FIELDS: dict[str, tuple[Any, ...]] = {
     "attention_sink_bias": (None, False),
+    "add_swa_attention_sink_bias": (None, False),
     "attention_value_scale": (None, 1.0),
     "swa_window_size": (None,),
+    "is_neox_style": (None, True),
+    "rope_is_neox_style": (None, True),
+    "logit_scale": (None, 1.0),
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -280,10 +291,13 @@ def refuse_unsupported_fields(d: dict[str, Any]) -> None:
     than the drafter's) instead of training a different model than the one that is served."""
     dc = d.get("dflash_config") or {}
     problems = []
+    window_neutral = (None, d.get("sliding_window")) if "sliding_attention" in (d.get("layer_types") or []) else None
     for name, neutral in UNSUPPORTED_ENGINE_FIELDS.items():
         for where, value in ((name, d.get(name)), (f"dflash_config.{name}", dc.get(name))):
+            if name == "swa_window_size" and (window_neutral is None or value in window_neutral):
+                continue  # the window the sliding layers have anyway, or no sliding layer to read it
             if not any(value is n or (n is not None and value == n and not isinstance(value, bool)) for n in neutral):
-                problems.append(f"{where} = {value!r} (not implemented here)")
+                problems.append(f"{where} = {json.dumps(value)} (not implemented here)")
     problems += [f"dflash_config.{k} (unknown to this trainer)" for k in sorted(set(dc) - _DFLASH_CONFIG_KEYS)
                  if k not in UNSUPPORTED_ENGINE_FIELDS]
     problems += [f"layer_types entry {t!r} (expected {' or '.join(_LAYER_TYPES)})"
@@ -346,6 +360,28 @@ def warn_unservable_layers(cfg: DFlashConfig, where: str) -> None:
                     "reaches it, so SGLang cannot serve this drafter (transformers and vLLM can); choose layers below "
                     "%d to serve with SGLang", where, bad, cfg.num_target_layers - 1, cfg.num_target_layers,
                     cfg.num_target_layers - 1)
+
+
+# The serving engines that feed a drafter's block embeddings unscaled, per family (docs/serving.md): SGLang's
+# DFlash config parser (speculative/dflash_utils.py) does not read input_embedding_scale for either family, vLLM
+# applies it in qwen3_dflash2.py (DFlash2) but not in qwen3_dflash.py (DFlash).
+ENGINES_IGNORING_INPUT_SCALE = {"dflash": "SGLang and vLLM", "dflash2": "SGLang"}
+
+
+def warn_unserved_input_scale(cfg: DFlashConfig, where: str) -> None:
+    """Warn when ``cfg`` scales its block embeddings and an engine serving its family would not."""
+    engines = ENGINES_IGNORING_INPUT_SCALE.get(cfg.arch)
+    if cfg.input_embedding_scale != 1.0 and engines:
+        log.warning("%s: dflash_config.input_embedding_scale = %g is not applied by %s (the block's embeddings "
+                    "are fed unscaled), so this %s drafter would be served as a different model from the one "
+                    "trained (transformers' dflash.py and the DFlash reference apply it); see docs/serving.md",
+                    where, cfg.input_embedding_scale, engines, ARCHITECTURES[cfg.arch])
+
+
+def warn_serving_limits(cfg: DFlashConfig, where: str) -> None:
+    """Every serving-engine warning for ``cfg``: layers SGLang cannot capture, an input scale an engine ignores."""
+    warn_unservable_layers(cfg, where)
+    warn_unserved_input_scale(cfg, where)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -771,4 +807,19 @@ def read_drafter_config(directory: str | Path) -> DFlashConfig:
     for p in (cfg_path, weights):
         if not p.is_file():
             raise ConfigError(f"{d} is not a drafter directory: {p.name} is missing (expected config.json + model.safetensors)")
-    return DFlashConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    if (d / "mask_embedding.pt").exists():  # vLLM substitutes it for the mask token's embedding; this drafter cannot
+        raise ConfigError(f"{d / 'mask_embedding.pt'}: a separate mask embedding (vLLM uses it for the mask token) is "
+                          "not implemented here; a drafter trained without it would not be the one vLLM serves")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{cfg_path}: not a readable JSON file ({err})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        return DFlashConfig.from_hf_dict(raw)
+    except ConfigError as err:  # name the file, on one line: a released directory is the user's input
+        raise ConfigError(f"{cfg_path}: " + " ".join(line.strip() for line in str(err).splitlines())) from None
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"{cfg_path}: not a DFlash drafter config ({type(err).__name__}: {err}); expected the "
+                          "released layout (hidden_size, num_hidden_layers, num_attention_heads, ...)") from None

@@ -46,7 +46,7 @@ from ..models.model import (
     from_contract_names,
     read_drafter_config,
     save_drafter_weights,
-    warn_unservable_layers,
+    warn_serving_limits,
 )
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def export_drafter(state: dict[str, Tensor], cfg: DFlashConfig, out: str | Path,
     if dtype not in _DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
     check_weights(state, cfg, "export")
-    warn_unservable_layers(cfg, "export")
+    warn_serving_limits(cfg, "export")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
