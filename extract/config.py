@@ -71,6 +71,10 @@ class RegenerateConfig(Section):
     """Longest generated reply (`max_tokens` on an endpoint)."""
     batch_size: int = Field(8, gt=0)
     """Prompts per `generate` call (left-padded; in-process only)."""
+    window: int = Field(1024, gt=0)
+    """In-process: conversations regenerated together, all their rounds, before they are written and the next
+    ones are read (memory grows with it, not with the input; each round's batches are drawn from it, so keep it
+    many times `batch_size`)."""
     temperature: float = Field(0.0, ge=0)
     """Sampling temperature; 0 = greedy."""
     top_p: float = Field(1.0, gt=0, le=1)

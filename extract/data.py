@@ -55,7 +55,7 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt
                    "bard": "assistant", "assistant": "assistant", "system": "system"}
 
 __all__ = ["BUILTIN_DATA", "Record", "ReadCounts", "LoadedData", "RecordError", "iter_records", "iter_json_records",
-           "load_records", "load_conversations", "data_fingerprint", "builtin_prompts"]
+           "load_records", "data_fingerprint", "builtin_prompts"]
 
 
 class RecordError(DataError):
@@ -649,12 +649,3 @@ def load_records(path: str, skip_bad: bool = False) -> LoadedData:
     counts = ReadCounts()
     records = list(iter_records(path, skip_bad, counts))
     return LoadedData(records, counts.n_total, counts.bad, data_fingerprint(path), counts.bad_files, counts)
-
-
-def load_conversations(path: str, skip_bad: bool = False) -> list[list[dict[str, str]]]:
-    """The ``messages`` of every conversation record of ``path`` (pre-tokenized records are an error)."""
-    loaded = load_records(path, skip_bad=skip_bad)
-    for r in loaded.records:
-        if r.messages is None:
-            raise DataError(f"{r.source}: a pre-tokenized record where conversations are needed")
-    return [r.messages for r in loaded.records if r.messages is not None]

@@ -28,7 +28,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from .answer_log import AnswerLog
 from .config import RegenerateConfig
 from .run_config import template_options
 from .template import TemplateOptions
-from .turns import TurnCursor, load_prompts, output_record, reply_message
+from .turns import TurnCursor, iter_cursors, output_record, reply_message, scan_prompts
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ class EndpointRun:
     """Worker threads, each taking the next conversation and asking its replies in order."""
 
     def __init__(self, cfg: RegenerateConfig, client: ChatClient, model: str, options: TemplateOptions,
-                 answers: AnswerLog, pending: list[TurnCursor], fingerprint: str, report: EndpointReport):
+                 answers: AnswerLog, pending: Iterable[TurnCursor], fingerprint: str, report: EndpointReport):
         self.cfg, self.client, self.model, self.options = cfg, client, model, options
         self.answers, self.fingerprint, self.report = answers, fingerprint, report
         self._queue: Iterator[TurnCursor] = iter(pending)
@@ -405,19 +405,20 @@ def regenerate_via_endpoint(cfg: PipelineConfig, out_path: str, show: bool = Tru
     """Ask the server for every conversation of ``cfg.data`` missing from ``out_path``; append the answers."""
     rcfg = cfg.regenerate
     assert rcfg.endpoint is not None
-    data, cursors = load_prompts(cfg)
+    scan = scan_prompts(cfg)  # a stream: checks and counts the input, then the run reads it again lazily
     client = ChatClient(rcfg.endpoint, rcfg)
     model = pick_served_model(served_models(client), cfg.teacher.path, rcfg.served_model, rcfg.endpoint)
-    answers = AnswerLog(out_path, data.fingerprint, rcfg.fsync_every_s)
-    done = answers.open()
-    pending = [c for c in cursors if c.record.sample_id not in done]
-    report = EndpointReport(rcfg.endpoint, model, len(cursors), len(cursors) - len(pending), n_bad_input=len(data.bad),
-                            read=data.counts.summary())
+    answers = AnswerLog(out_path, scan.fingerprint, rcfg.fsync_every_s)
+    done = answers.open()  # ids of this input (the log's fingerprint is checked): the only O(input) state
+    n_input = scan.n_conversations
+    pending = (c for c in iter_cursors(cfg, scan) if c.record.sample_id not in done)
+    report = EndpointReport(rcfg.endpoint, model, n_input, len(done), n_bad_input=len(scan.counts.bad),
+                            read=scan.counts.summary())
     log.info("%s serves %s: %d of %d conversations to ask (%d answered in %s already), %d in flight at most",
-             rcfg.endpoint, model, len(pending), len(cursors), report.n_before, out_path, rcfg.max_concurrency)
+             rcfg.endpoint, model, n_input - len(done), n_input, report.n_before, out_path, rcfg.max_concurrency)
     try:
-        EndpointRun(rcfg, client, model, template_options(cfg), answers, pending, data.fingerprint, report).run(
-            len(pending), show)
+        EndpointRun(rcfg, client, model, template_options(cfg), answers, pending, scan.fingerprint, report).run(
+            n_input - len(done), show)
     finally:
         answers.close()
     _write_failures(out_path, report.failures)

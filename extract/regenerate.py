@@ -2,8 +2,8 @@
 turn with the teacher's own generation.
 
 Two back ends share the turn order and the record format. Without ``--endpoint`` the teacher runs in this
-process (HF ``generate``, batched, left padding; greedy or sampled per ``[regenerate]``) and OUT is written
-atomically in input order. With ``--endpoint`` the prompts go to an OpenAI-compatible server
+process (HF ``generate``, batched, left padding; greedy or sampled per ``[regenerate]``) on a window of
+``regenerate.window`` conversations at a time read as a stream, and OUT is written atomically in input order. With ``--endpoint`` the prompts go to an OpenAI-compatible server
 (``extract.endpoint``) and OUT is an append-only log, resumable, in completion order.
 
 Turns are generated in order, each conditioned on the regenerated history; a conversation that ends
@@ -14,10 +14,11 @@ with a user turn gets a new final reply; turns after the last reply are dropped.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from .data import ReadCounts
 from .run_config import template_options
 from .teacher import load_teacher, teacher_device
 from .template import TemplateOptions, check_chat_template
-from .turns import TurnCursor, cut_at_stop, load_prompts, output_record, reply_message
+from .turns import TurnCursor, cut_at_stop, iter_cursors, output_record, reply_message, scan_prompts
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Regenerator:
         self.eos = [i for i in {tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)}
                     if isinstance(i, int)]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
+        self.n_batches = 0  # generate calls so far: the sampling seed of the next one
 
     def prompt_ids(self, history: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True,
@@ -57,8 +59,9 @@ class Regenerator:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], batch_index: int) -> list[str]:
+    def generate(self, prompts: list[list[int]]) -> list[str]:
         """Left-pad ``prompts`` into one batch and return the decoded replies."""
+        batch_index, self.n_batches = self.n_batches, self.n_batches + 1
         t = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), t), self.pad_id, dtype=torch.int64)  # [B, T]
         mask = torch.zeros((len(prompts), t), dtype=torch.int64)  # [B, T]
@@ -104,14 +107,12 @@ class RegenerateReport:
                 "first prompt that long not written"]
 
 
-def regenerate_conversations(regen: Regenerator, cursors: list[TurnCursor], show: bool = True,
+def regenerate_conversations(regen: Regenerator, cursors: list[TurnCursor], bar: tqdm,
                              max_prompt: int | None = None, report: RegenerateReport | None = None) -> None:
     """Regenerate round by round (k-th reply of every conversation), batching prompts of similar length. A
     conversation whose next prompt has ``max_prompt`` tokens or more stops there (counted in ``report``): its
     later turns would not fit in an extracted sample, and the prompt would cost the most compute."""
     report = RegenerateReport() if report is None else report
-    bar = tqdm(total=sum(len(c.turns) for c in cursors), unit="reply", desc="regenerate", disable=not show)
-    batch_index = 0
     while active := [c for c in cursors if not c.done]:
         prompts = {id(c): regen.prompt_ids(c.history()) for c in active}
         if max_prompt is not None:
@@ -122,45 +123,77 @@ def regenerate_conversations(regen: Regenerator, cursors: list[TurnCursor], show
         order = sorted(active, key=lambda c: (len(prompts[id(c)]), c.record.sample_id))
         for start in range(0, len(order), regen.cfg.batch_size):
             chunk = order[start:start + regen.cfg.batch_size]
-            for c, text in zip(chunk, regen.generate([prompts[id(c)] for c in chunk], batch_index), strict=True):
+            for c, text in zip(chunk, regen.generate([prompts[id(c)] for c in chunk]), strict=True):
                 c.add_reply(reply_message(text))
-            batch_index += 1
             report.n_replies += len(chunk)
             bar.update(len(chunk))
-    bar.close()
 
 
-def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
-    """Write atomically: a complete file or none."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def windows(cursors: Iterator[TurnCursor], size: int) -> Iterator[list[TurnCursor]]:
+    """Consecutive lists of ``size`` cursors (the last one shorter): one window in memory at a time."""
+    while window := list(itertools.islice(cursors, size)):
+        yield window
+
+
+class AtomicJsonl:
+    """JSON lines written as they come to a hidden file beside ``path``, which becomes ``path`` (fsynced) only
+    when the block ends without an error: a complete file or none, without holding the lines."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
+
+    def __enter__(self) -> AtomicJsonl:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.tmp.open("w")
+        return self
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+        finally:
+            self._f.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink(missing_ok=True)
 
 
 def regenerate(cfg: PipelineConfig, out_path: str, show: bool = True) -> tuple[RegenerateReport, ReadCounts]:
-    """Regenerate ``cfg.data`` in this process into ``out_path``; returns what was done and what was read."""
-    data, cursors = load_prompts(cfg)
+    """Regenerate ``cfg.data`` in this process into ``out_path``; returns what was done and what was read.
+
+    The input is read twice as a stream, never held: one pass checks and counts it before the teacher is
+    loaded, the second feeds windows of ``regenerate.window`` conversations; each window is regenerated
+    (all its rounds) and written before the next is read, so memory follows the window, not the input."""
+    scan = scan_prompts(cfg)
     report = RegenerateReport()
     with OutputLock(out_path):
         model, tokenizer = load_teacher(cfg.teacher)
         budget_cpu_threads(teacher_device(model), cfg.cpu_worker_threads)  # training's CPU thread budget
         check_chat_template(tokenizer)
         regen = Regenerator(model, tokenizer, cfg.regenerate, template_options(cfg))
-        regenerate_conversations(regen, cursors, show, cfg.data.max_length, report)
-        answered = [c for c in cursors if c.k > 0]
-        report.n_unanswerable = len(cursors) - len(answered)
-        report.n_cut = sum(1 for c in answered if c.given_up)
-        report.n_turns_cut = sum(c.given_up for c in answered)
-        write_jsonl(out_path, [output_record(c, data.fingerprint) for c in answered])
-    report.n_written = len(answered)
-    log.info("wrote %d regenerated conversations to %s", len(answered), out_path)
-    return report, data.counts
+        bar = tqdm(total=scan.n_replies, unit="reply", desc="regenerate", disable=not show)
+        try:
+            with AtomicJsonl(out_path) as out:
+                for window in windows(iter_cursors(cfg, scan), cfg.regenerate.window):
+                    regenerate_conversations(regen, window, bar, cfg.data.max_length, report)
+                    for c in window:
+                        if c.k == 0:
+                            report.n_unanswerable += 1
+                            continue
+                        out.write(output_record(c, scan.fingerprint))
+                        report.n_written += 1
+                        report.n_cut += c.given_up > 0
+                        report.n_turns_cut += c.given_up
+        finally:
+            bar.close()
+    log.info("wrote %d regenerated conversations to %s", report.n_written, out_path)
+    return report, scan.counts
 
 
 def cli_main(argv: Sequence[str]) -> int:

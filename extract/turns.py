@@ -5,13 +5,14 @@ history each reply answers, the assistant message made of a reply, and the outpu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dflash_cache.errors import DataError
 from dflash_cache.runtime.schema import PipelineConfig
 
-from .data import LoadedData, Record, load_records
+from .data import ReadCounts, Record, data_fingerprint, iter_records
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -88,10 +89,38 @@ def output_record(cursor: TurnCursor, prompts_fingerprint: str) -> dict[str, Any
     return {"id": cursor.record.sample_id, "messages": cursor.messages, "prompts_fingerprint": prompts_fingerprint}
 
 
-def load_prompts(cfg: PipelineConfig) -> tuple[LoadedData, list[TurnCursor]]:
-    """The input conversations (pre-tokenized records are an error), one cursor each."""
-    data = load_records(cfg.data.path, cfg.data.skip_bad)
-    for r in data.records:
+@dataclass
+class PromptScan:
+    """What one streaming pass over the input found: every conversation has a reply to generate (else the
+    pass raised), how many there are and their replies at most (progress totals), the read counts."""
+
+    fingerprint: str
+    counts: ReadCounts
+    n_conversations: int = 0
+    n_replies: int = 0
+
+
+def scan_prompts(cfg: PipelineConfig) -> PromptScan:
+    """Check the input conversations before any generation (pre-tokenized records and conversations with
+    nothing to answer are errors) in one pass that holds one record at a time."""
+    scan = PromptScan(data_fingerprint(cfg.data.path), ReadCounts())
+    for cursor in _cursors(cfg, scan.counts, warn=True):
+        scan.n_conversations += 1
+        scan.n_replies += len(cursor.turns)
+    return scan
+
+
+def iter_cursors(cfg: PipelineConfig, scan: PromptScan) -> Iterator[TurnCursor]:
+    """One cursor per input conversation, in input order, read again as a stream after :func:`scan_prompts`."""
+    again = ReadCounts()
+    yield from _cursors(cfg, again, warn=False)
+    if again.n_total != scan.counts.n_total or again.n_used != scan.counts.n_used:
+        raise DataError(f"{cfg.data.path}: changed while being read ({scan.counts.n_total} records, then "
+                        f"{again.n_total}); keep the input fixed during regeneration and rerun")
+
+
+def _cursors(cfg: PipelineConfig, counts: ReadCounts, warn: bool) -> Iterator[TurnCursor]:
+    for r in iter_records(cfg.data.path, cfg.data.skip_bad, counts, warn=warn):
         if r.messages is None:
             raise DataError(f"{r.source}: pre-tokenized records cannot be regenerated; give conversations")
-    return data, [TurnCursor(r) for r in data.records]
+        yield TurnCursor(r)
