@@ -9,11 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures.trainer import ROOT, small_cache, train_cmd, train_env
+
+from dflash_cache.runtime.dist import Distributed
 
 BASE = ["model.mask_token_id=511", "metrics.progress_bar=false", "loader.holdout_fraction=0.0",
         "loader.tokens_per_batch=512", "train.num_anchors=16", "metrics.tensorboard=false"]
@@ -143,3 +147,51 @@ def test_a_rank_exiting_while_its_alive_thread_is_in_a_store_call_exits_cleanly(
                           env=train_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "closed" in proc.stdout
+
+
+class _Rank(Distributed):
+    """A rank of a two-rank job whose process group is not under test: only its rendezvous store is real."""
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+
+def _two_rank_stores() -> tuple[Any, Any]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = _port()
+    host = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    return host, dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+
+
+def test_ranks_leave_together_and_rank_0_leaves_last():
+    """A rank that finished first waits for rank 0's last commit; rank 0, whose process hosts the store, waits
+    until the others have left it."""
+    from datetime import timedelta
+
+    host, client = _two_rank_stores()
+    ranks = [_Rank(rank=0, world_size=2, store=host), _Rank(rank=1, world_size=2, store=client)]
+    order: list[int] = []
+    threads = [threading.Thread(target=lambda d=d: (d.leave_together(timedelta(seconds=60)), order.append(d.rank)))
+               for d in ranks]
+    threads[1].start()  # rank 1 finished its last step; rank 0 is still committing
+    threads[1].join(0.5)
+    assert threads[1].is_alive() and order == []  # it waits for rank 0
+    threads[0].start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert order[-1] == 0 and sorted(order) == [0, 1]
+
+
+def test_a_rank_leaving_without_its_peer_warns_and_returns(caplog):
+    from datetime import timedelta
+
+    host, _client = _two_rank_stores()
+    t0 = time.monotonic()
+    _Rank(rank=0, world_size=2, store=host).leave_together(timedelta(seconds=1))  # rank 1 never comes
+    assert time.monotonic() - t0 < 20
+    assert "leaving without the other ranks" in caplog.text

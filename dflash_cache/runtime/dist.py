@@ -173,6 +173,26 @@ class Distributed:
     def _collective_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    def leave_together(self, timeout: timedelta) -> None:
+        """Wait until every rank has finished its work, then let rank 0 (the host of the rendezvous store) go last.
+
+        Called on a clean finish, just before :meth:`close`: without it a rank that finished first tears down its
+        process group while rank 0 is still committing the last checkpoint over the same connections. Through the
+        store, not a collective, so it cannot interleave with one; a peer that is gone ends the wait at once (its
+        store calls fail), and ``timeout`` bounds a peer that hangs. Never raises: the run is already saved."""
+        if not self.enabled or self.store is None:
+            return
+        others = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            self.store.set(f"dflash/finished/{self.rank}", "1")
+            self.store.wait([f"dflash/finished/{r}" for r in others], timeout)
+            if self.is_main:  # the store dies with this process: the others leave first
+                self.store.wait([f"dflash/left/{r}" for r in others], min(timeout, timedelta(seconds=60)))
+            else:
+                self.store.set(f"dflash/left/{self.rank}", "1")
+        except Exception as err:  # noqa: BLE001 -- a peer or the store's host is gone; leave anyway
+            log.warning("rank %d: leaving without the other ranks (%s)", self.rank, str(err).splitlines()[0][:200])
+
     def close(self) -> None:
         """Leave the process group if this object joined it."""
         if self._initialized_here and dist.is_initialized():

@@ -109,9 +109,12 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
     """Train (or resume) a drafter on the cache at ``cache_url``, writing everything into ``run_dir``."""
     d = Distributed.start(collective_timeout=timedelta(seconds=cfg.train.collective_timeout_s))
     watch = RankWatch(d, cfg.train.collective_timeout_s)
+    finished = False
     try:
         with RunDir.claim(run_dir, d) as run:  # one trainer per run dir; exit 2 if it cannot be written
-            return _train(cfg, open_training_cache(cache_url, cfg.loader), run, d, watch)
+            result = _train(cfg, open_training_cache(cache_url, cfg.loader), run, d, watch)
+        finished = True
+        return result
     except RuntimeError as err:  # (torch's DistBackendError too) a collective that gave up on a rank
         named = watch.explain(err)
         if named is None:
@@ -119,6 +122,8 @@ def train(cfg: PipelineConfig, cache_url: str, run_dir: str | Path) -> TrainResu
         raise named from None
     finally:
         watch.close()
+        if finished:  # every rank leaves after the last checkpoint is committed, rank 0 last
+            d.leave_together(timedelta(seconds=cfg.train.collective_timeout_s))
         d.close()
 
 
