@@ -15,7 +15,7 @@ Everything is seeded and the data order is the file's, so the same recipe builds
 same torch version and thread count). The directory lands in ``$DFLASH_HOME`` (default
 ``~/.cache/dflash-pipeline``) under ``sharegpt-teacher-<hash of the recipe>``; a second call reuses it.
 
-    python bench/build_sharegpt_teacher.py [--threads 1] [--steps N] [--set FIELD=VALUE] [--measure]
+    python bench/build_sharegpt_teacher.py [--threads 2] [--steps N] [--set FIELD=VALUE] [--measure]
 
 ``--measure`` also reports held-out perplexity, bits per byte and mean next-token entropy for this teacher
 and for the tiny random one (the same code, :func:`language_stats`), into the directory's ``build.json``.
@@ -340,8 +340,8 @@ def resolve_sharegpt_teacher(recipe: Recipe | None = None) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: on 2 busy cores a second "
-                    "thread mostly waits for the first; see docs/performance.md)")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (2 on 2 idle cores: 6,990 tokens/s; on "
+                    "busy cores a second thread mostly waits for the first, pass 1; see docs/performance.md)")
     ap.add_argument("--steps", type=int, default=Recipe.steps, help="optimizer steps (a recipe field)")
     ap.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
                     help="any other recipe field, e.g. --set batch_size=8")
