@@ -21,8 +21,8 @@ tau is counted as the DFlash reference's benchmark counts it (train.tools.evalua
 requests of the tokens each teacher forward produced, the teacher's own (bonus) token included.
 
     python bench/bench_recipe_real.py                        # the full check: 3 seeds, every arm, 164 HumanEval
-    python bench/bench_recipe_real.py --steps 120 --train-prompts 384 --heldout-prompts 4 --humaneval 4 --live-new-tokens 32
-    #   (the size docs/recipe.md reports; add --finished-only to report a grid cut short)
+    python bench/bench_recipe_real.py --heldout-prompts 32 --humaneval 64 --live-new-tokens 24
+    #   (the size docs/recipe.md reports, 41 min on 2 cores; add --finished-only to report a grid cut short)
 
 ``--teacher tiny`` runs the same pipeline against the random tiny teacher (the suite's short variant).
 Writes ``bench/results/bench_recipe_real.json``.
