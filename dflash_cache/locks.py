@@ -26,6 +26,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import re
 import secrets
 import socket
@@ -376,21 +377,32 @@ class Contended(Exception):
 
 def take_generation(make: Callable[[int], GenerationLock], newest: Callable[[], tuple[int, HolderRecord | None]],
                     live: Callable[[HolderRecord | None], bool], check: Callable[[], None] = lambda: None,
-                    tries: int = 8) -> tuple[GenerationLock, HolderRecord | None]:
+                    tries: int = 32) -> tuple[GenerationLock, HolderRecord | None]:
     """Acquire a generation lock: while the ``newest()`` holder is not ``live``, create the next generation
     exclusively (a takeover when there was a holder). ``make(gen)`` builds the lock object (its file not
     yet created); ``check()`` runs before every attempt and after a success (it raises to refuse, e.g. the
     locked object is finished; the lock is then given back). Returns ``(lock, previous holder or None)``;
-    raises :class:`Contended` when a live holder has it or other processes kept taking it."""
-    holder = contender = None
-    for _ in range(tries):
+    raises :class:`Contended` when a live holder has it (naming it), or when each of ``tries`` attempts lost
+    to a holder that had already given the lock back (holder None). A lost race -- another process created
+    the generation first, or released the lock and removed its empty directory while this one created its
+    file there -- is retried after a random back-off; it never ends the attempt with an error of its own."""
+    holder = None
+    for attempt in range(tries):
+        if attempt:  # lost a race: back off a random while, so that contenders stop meeting in lockstep
+            time.sleep(random.uniform(0.0, min(0.05, 0.001 * 2 ** attempt)))
         check()
         gen, holder = newest()
         if live(holder):
             raise Contended(holder)
         lock = make(gen + 1)
         lock.keeper.reserve(lock.token)  # held from the moment its file exists
-        if not lock.storage.create_exclusive(lock.file, lock.record()):
+        try:
+            created = lock.storage.create_exclusive(lock.file, lock.record())
+        except FileNotFoundError:
+            # the directory was removed while we created the file in it: its holder released it (an empty
+            # lock directory is removed) after we looked; a lost race like any other, so look again
+            created = False
+        if not created:
             lock.keeper.unreserve(lock.token)
             # another process created this generation first: it holds the lock unless it gave it back already
             _, contender = newest()
@@ -404,7 +416,8 @@ def take_generation(make: Callable[[int], GenerationLock], newest: Callable[[], 
             lock.release()
             raise
         return lock, holder
-    raise Contended(contender if contender is not None else holder)
+    _, holder = newest()  # every try lost to a holder that gave the lock back at once: name one that holds it now
+    raise Contended(holder if live(holder) else None)
 
 
 # -- an exclusive flock on a local record file -----------------------------------------------------------
