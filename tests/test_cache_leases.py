@@ -317,6 +317,41 @@ def test_an_acquire_that_loses_every_race_says_nobody_holds_the_part(tmp_path):
     assert st.met == ["given back"] * 32 and newest(st, "buckets/0/p") == (0, None)
 
 
+class _ReleasedWhileTakenOver(LocalStorage):
+    """Storage of a process taking over a part whose holder is releasing it: the holder is already dead to
+    everyone (dropped from its keeper, as ``release`` does first), and while this process creates the next
+    generation, the holder finishes its release (its lease file and the empty directory removed) and another
+    process takes the part afresh: generation 1 again, numbering restarted."""
+
+    def __init__(self, root: str, releasing):
+        super().__init__(root)
+        self.others = LocalStorage(root)
+        self.releasing, self.fresh = releasing, None
+
+    def create_exclusive(self, key, data, durable=False):
+        if self.releasing is not None and key.rsplit("/", 1)[-1].startswith("lease."):
+            self.releasing.release(remove_dir=True)
+            self.releasing = None
+            self.fresh = acquire(self.others, "buckets/0/p")
+            assert self.fresh.gen == 1
+        return super().create_exclusive(key, data, durable)
+
+
+def test_a_takeover_whose_numbering_restarted_under_it_does_not_hold_beside_the_fresh_holder(tmp_path):
+    """The takeover created generation 2 above the released holder's 1 while a fresh holder took generation 1
+    again: the higher number is not the newer holder. It withdraws and names the fresh holder (it once
+    returned a lease as well: two holders of one part)."""
+    first = acquire(LocalStorage(str(tmp_path / "c")), "buckets/0/p")
+    lease_mod._keeper.drop(first)  # release() begins: dead to everyone from here on
+    st = _ReleasedWhileTakenOver(str(tmp_path / "c"), first)
+    with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()} on host"):
+        acquire(st, "buckets/0/p")
+    assert st.fresh is not None and st.fresh.held() and st.fresh.gen == 1
+    assert sorted(os.listdir(tmp_path / "c/buckets/0/p")) == [lease_name(1)]  # its withdrawn generation 2 is gone
+    assert newest(st, "buckets/0/p")[1].token == st.fresh.token
+    st.fresh.release(remove_dir=True)
+
+
 def test_threads_taking_and_giving_back_one_part_never_overlap(tmp_path):
     """Threads take and give back one part as fast as they can (a released empty part directory is
     removed, so creators race its removal): never two holders, never an error."""
