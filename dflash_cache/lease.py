@@ -240,10 +240,10 @@ def acquire(storage: Storage, key: str, timeout_s: float = LEASE_TIMEOUT_S) -> P
                                               lambda: _newest_number(storage, key),
                                               lambda h: _live(storage, h, timeout_s), not_committed)
     except Contended as err:
-        if err.holder is not None:  # a live holder, or other writers kept taking (and giving back) the part
+        if err.holder is not None:  # a live holder (the one that won the race, if this process lost one)
             raise LeaseHeldError(key, err.holder) from None  # type: ignore[arg-type]
-        raise CacheError(f"part {key}: other processes kept taking its lease while this one tried; rerun the "
-                         "command") from None
+        raise CacheError(f"part {key}: other processes took its lease and gave it back again on each of this "
+                         "process's tries (nobody holds it now); rerun the command") from None
     if holder is not None:
         log.info("took over part %s from %s (gone)", key, holder.describe())  # type: ignore[attr-defined]
     try:
@@ -269,8 +269,8 @@ def acquire_committed(storage: Storage, key: str, timeout_s: float = LEASE_TIMEO
     except Contended as err:
         if err.holder is not None:
             raise LeaseHeldError(key, err.holder) from None  # type: ignore[arg-type]
-        raise CacheError(f"part {key}: other processes kept taking its lease while this one tried; rerun the "
-                         "command") from None
+        raise CacheError(f"part {key}: other processes took its lease and gave it back again on each of this "
+                         "process's tries (nobody holds it now); rerun the command") from None
     return lease  # type: ignore[return-value]
 
 

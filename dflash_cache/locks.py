@@ -26,6 +26,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import re
 import secrets
 import socket
@@ -332,6 +333,41 @@ class GenerationLock:
         gen, holder = newest_generation(self.storage, self.directory, self.prefix, self.parse)
         return gen == self.gen and holder is not None and holder.token == self.token
 
+    def stands(self, superseded: HolderRecord | None) -> bool:
+        """Whether the generation this process just created is the lock (checked right after its creation):
+        no higher generation exists, and the newest lock file it superseded (``superseded``, None: there was
+        none, or it could not be read) is still there. When that one is gone, its holder released it meanwhile
+        and may have left the directory without a lock file, so that another process took generation 1 again
+        while this one created a higher number: numbering restarted, and the higher number no longer means
+        the newer holder. This one then withdraws (:meth:`withdraw`) and looks again."""
+        names = self.storage.list_dir(self.directory)
+        gens = {g: n for n in names if (g := generation_of(self.prefix, n)) is not None}
+        if any(g > self.gen for g in gens):
+            return False
+        if superseded is None:
+            return True
+        if superseded.gen not in gens:
+            return False
+        try:
+            return json.loads(self.storage.get(f"{self.directory}/{gens[superseded.gen]}")).get("token") == \
+                superseded.token
+        except (FileNotFoundError, ValueError, AttributeError):
+            return False
+
+    def withdraw(self) -> None:
+        """Give back a generation just created that does not stand: remove this generation's own file only
+        (never another holder's), and hold nothing."""
+        with self._mutex:
+            self._released = True
+        self.keeper.drop(self)
+        self.keeper.unreserve(self.token)
+        try:
+            mine = json.loads(self.storage.get(self.file)).get("token") == self.token
+        except (FileNotFoundError, ValueError, AttributeError):
+            mine = False
+        if mine:
+            self.storage.remove(self.file)
+
     def beat(self) -> None:
         """Refresh the heartbeat; never brings back a file that another process removed (a takeover)."""
         with self._mutex:
@@ -376,23 +412,42 @@ class Contended(Exception):
 
 def take_generation(make: Callable[[int], GenerationLock], newest: Callable[[], tuple[int, HolderRecord | None]],
                     live: Callable[[HolderRecord | None], bool], check: Callable[[], None] = lambda: None,
-                    tries: int = 8) -> tuple[GenerationLock, HolderRecord | None]:
+                    tries: int = 32) -> tuple[GenerationLock, HolderRecord | None]:
     """Acquire a generation lock: while the ``newest()`` holder is not ``live``, create the next generation
     exclusively (a takeover when there was a holder). ``make(gen)`` builds the lock object (its file not
     yet created); ``check()`` runs before every attempt and after a success (it raises to refuse, e.g. the
     locked object is finished; the lock is then given back). Returns ``(lock, previous holder or None)``;
-    raises :class:`Contended` when a live holder has it or other processes kept taking it."""
-    holder = contender = None
-    for _ in range(tries):
+    raises :class:`Contended` when a live holder has it (naming it), or when each of ``tries`` attempts lost
+    to a holder that had already given the lock back (holder None). A lost race -- another process created
+    the generation first, or released the lock and removed its empty directory while this one created its
+    file there, or a created generation does not stand (:meth:`GenerationLock.stands`: the lock's files
+    were all released meanwhile and another process started the numbering again) -- is retried after a
+    random back-off; it never ends the attempt with an error of its own."""
+    holder = None
+    for attempt in range(tries):
+        if attempt:  # lost a race: back off a random while, so that contenders stop meeting in lockstep
+            time.sleep(random.uniform(0.0, min(0.05, 0.001 * 2 ** attempt)))
         check()
         gen, holder = newest()
         if live(holder):
             raise Contended(holder)
         lock = make(gen + 1)
         lock.keeper.reserve(lock.token)  # held from the moment its file exists
-        if not lock.storage.create_exclusive(lock.file, lock.record()):
+        try:
+            created = lock.storage.create_exclusive(lock.file, lock.record())
+        except FileNotFoundError:
+            # the directory was removed while we created the file in it: its holder released it (an empty
+            # lock directory is removed) after we looked; a lost race like any other, so look again
+            created = False
+        if not created:
             lock.keeper.unreserve(lock.token)
             # another process created this generation first: it holds the lock unless it gave it back already
+            _, contender = newest()
+            if live(contender):
+                raise Contended(contender)
+            continue
+        if not lock.stands(holder):  # numbering restarted under this attempt: a lost race too
+            lock.withdraw()
             _, contender = newest()
             if live(contender):
                 raise Contended(contender)
@@ -404,7 +459,8 @@ def take_generation(make: Callable[[int], GenerationLock], newest: Callable[[], 
             lock.release()
             raise
         return lock, holder
-    raise Contended(contender if contender is not None else holder)
+    _, holder = newest()  # every try lost to a holder that gave the lock back at once: name one that holds it now
+    raise Contended(holder if live(holder) else None)
 
 
 # -- an exclusive flock on a local record file -----------------------------------------------------------

@@ -264,6 +264,11 @@ class LocalStorage(Storage):
         """``data`` in a new hidden file beside ``path``, created with mode 0666 less the umask (so a
         cache on shared storage is as readable as any other file its user creates)."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        return self._new_temp(path, data, durable)
+
+    def _new_temp(self, path: Path, data: bytes, durable: bool) -> Path:
+        """The temporary file of :meth:`_write_temp` in ``path``'s directory, which must exist
+        (FileNotFoundError when it was removed since it was made)."""
         tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.partial"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
@@ -294,7 +299,7 @@ class LocalStorage(Storage):
         the file empty)."""
         path = self._p(key)
         for _ in range(5):  # the directory can vanish under us (an empty part directory released): recreate it
-            try:
+            try:  # (a lock's caller counts a directory that keeps vanishing as a lost race: locks.take_generation)
                 tmp = self._write_temp(path, data, durable)
             except (FileNotFoundError, FileExistsError):  # (mkdir raced a removal of the directory)
                 continue

@@ -226,6 +226,59 @@ MUTANTS = [
            "extract/data.py", (("        off += len(self.buf[at:pos].encode(\"utf-8\", \"surrogatepass\"))\n",
                                 "        off += pos - at\n"),),
            ("tests/test_sharegpt_input.py::test_a_truncated_array_names_the_byte_and_the_complete_records",)),
+    Mutant("lease-held-compares-numbers-only", "a late writer resuming while a new holder holds the reused lease "
+           "number (after gc) changes nothing of the new holder's: a lease is held by number and token",
+           "dflash_cache/locks.py", (("        return gen == self.gen and holder is not None and holder.token == "
+                                      "self.token\n", "        return gen == self.gen and holder is not None\n"),),
+           ("tests/test_cache_generations.py::test_a_late_writer_resuming_while_the_new_holder_holds_the_same_lease_"
+            "number_changes_nothing",)),
+    Mutant("lock-gives-up-when-its-directory-vanishes", "an acquire whose part directory is removed by a release "
+           "while it creates its lease file there retries (no FileNotFoundError)", "dflash_cache/locks.py",
+           (("        except FileNotFoundError:\n            # the directory was removed while we created",
+             "        except KeyError:\n            # the directory was removed while we created"),),
+           ("tests/test_cache_leases.py::test_racing_acquire_and_release_stay_exclusive",)),
+    Mutant("lock-gives-up-after-a-few-lost-races", "an acquire that loses races to holders giving the lease back at "
+           "once keeps trying (32 tries, backing off) before it says nobody holds the part", "dflash_cache/locks.py",
+           (("                    tries: int = 32)", "                    tries: int = 8)"),),
+           ("tests/test_cache_leases.py::test_racing_acquire_and_release_stay_exclusive",
+            "tests/test_cache_leases.py::test_an_acquire_that_loses_every_race_says_nobody_holds_the_part")),
+    Mutant("takeover-ignores-restarted-numbering", "one holder per part also when a release emptied the part "
+           "during a takeover and another process took generation 1 again", "dflash_cache/locks.py",
+           (("        if not lock.stands(holder):", "        if False:"),),
+           ("tests/test_cache_leases.py::test_a_takeover_whose_numbering_restarted_under_it_does_not_hold_beside_the_"
+            "fresh_holder",)),
+    Mutant("verify-unfinished-hides-damage", "damage is exit 2 whatever else is true: also inside an unfinished "
+           "extraction (not 3)", "dflash_cache/cli.py",
+           (("    if report.ok and not report.finished:  # no damage", "    if not report.finished:  # no damage"),),
+           ("tests/test_extraction_state.py::test_damage_inside_an_unfinished_extraction_is_damage",)),
+    Mutant("old-cache-taken-for-finished", "a cache from before extraction plans (meta/config.json, no plan, no "
+           "report) is unfinished: verify 3, training refuses it", "dflash_cache/extraction.py",
+           (("    if plan is None and not storage.exists(CONFIG):\n", "    if plan is None:\n"),),
+           ("tests/test_extraction_state.py::test_a_cache_from_before_extraction_plans_is_unfinished_until_its_report",)),
+    Mutant("sharegpt-checks-only-the-first-exchange", "ShareGPT turns must alternate after the first exchange too",
+           "extract/data.py", (("    for j, m in enumerate(body):\n", "    for j, m in enumerate(body[:2]):\n"),),
+           ("tests/test_sharegpt_input.py::test_turns_that_stop_alternating_after_the_first_exchange_are_an_error_"
+            "naming_the_turn", "tests/test_sharegpt_input.py::test_turns_that_stop_alternating_later_are_counted_"
+            "skips_with_skip_bad")),
+    Mutant("resume-forgets-the-last-level-shift", "a resumed run refuses a second level shift up within "
+           "guards.window of an accepted one, as the uninterrupted run does", "train/components/guards.py",
+           (("        self.since_shift = None if since is None else int(since)",
+             "        self.since_shift = None"),),
+           ("tests/test_guards.py::test_a_resume_inside_the_window_after_a_level_shift_refuses_a_second_shift_up_as_"
+            "the_straight_run",)),
+    Mutant("causal-key-over-is-causal", "is_causal decides over a disagreeing dflash_config.causal (the engines' "
+           "precedence)", "train/models/model.py",
+           (("    reference = {k: v for k, v in _reader_rules(is_causal).items() if k in kinds}",
+             "    reference = {k: v for k, v in _reader_rules(causal if causal is not None else is_causal).items() "
+             "if k in kinds}"),
+            ("    vllm = {k: v for k, v in _reader_rules(is_causal if is_causal is not None else causal).items() "
+             "if k in kinds}",
+             "    vllm = {k: v for k, v in _reader_rules(causal if causal is not None else is_causal).items() "
+             "if k in kinds}")),
+           ("tests/test_released_config.py::test_a_released_config_trains_and_exports_as_the_reference_reads_it"
+            "[is_causal-false-over-causal-true]",
+            "tests/test_released_config.py::test_is_causal_decides_over_a_disagreeing_dflash_config_causal_with_a_"
+            "warning")),
 ]
 
 

@@ -195,3 +195,44 @@ def test_timeouts_below_three_heartbeats_are_refused(cache_dir, capsys):
     with pytest.raises(ConfigError, match=r"extract\.lease_timeout_s.*below 90 s"):
         load_config(ROOT / "configs" / "tiny.toml", ["extract.lease_timeout_s=40"])
     assert load_config(ROOT / "configs" / "tiny.toml", ["extract.lease_timeout_s=90"]).extract.lease_timeout_s == 90
+
+
+def test_a_late_writer_resuming_while_the_new_holder_holds_the_same_lease_number_changes_nothing(cache_dir, tmp_path):
+    """Freeze -> timeout -> gc -> a rerun takes the part with the same lease number and is still writing it ->
+    the frozen writer resumes mid-write and tries to commit. The lease files carry equal numbers, so only the
+    token tells the two holders apart: the late writer stops ("taken over", exit 2) and nothing of the new
+    holder's changes (its generation bitwise, its lease file its own); the new holder then commits."""
+    from dflash_cache.lease import newest
+
+    go = tmp_path / "go"
+    proc, late_dir = _start_late_writer(cache_dir, go)
+    try:
+        _gc_until_the_part_is_gone(cache_dir, min_age_s=0.5)
+        w = open_cache(str(cache_dir)).part_writer(1, "frozen", meta={"unit": 9})
+        _fill(w, 5000, 2)  # mid-write: two shards on storage, no commit
+        number = re.compile(r"/g(\d{6})")
+        assert number.search(w.data_key)[1] == number.search(late_dir)[1] and w.data_key != late_dir
+        mine = _files(cache_dir, w.data_key)
+        assert mine and newest(w.cache.storage, KEY)[0] == w.generation.number
+        go.touch()
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=DEADLINE_S)
+    finally:
+        _cleanup(proc)
+    assert proc.returncode == 2, err
+    assert f"error: part {KEY} was taken over by another process" in err and "Traceback" not in err, err
+    assert _files(cache_dir, w.data_key) == mine  # bitwise: the new holder's generation
+    gen, holder = newest(w.cache.storage, KEY)
+    assert (gen, holder.token) == (w.generation.number, w.generation.token) and w._lease.held()
+    assert not (cache_dir / KEY / "commit.json").exists()
+    _fill(w, 5002, 1)
+    w.commit()
+    report = verify_cache(str(cache_dir))
+    assert report.ok and report.n_samples == 15 and not report.garbage
+    got = open_cache(str(cache_dir)).read_samples([5000, 5001, 5002])
+    from dflash_cache.synthetic import synthetic_features
+
+    g = torch.Generator().manual_seed(5000)
+    want = [synthetic_features(70, 3, 64, g) for _ in range(2)]
+    want.append(synthetic_features(70, 3, 64, torch.Generator().manual_seed(5002)))
+    assert all(torch.equal(s.features, f) for s, f in zip(got, want, strict=True))

@@ -17,6 +17,7 @@ import torch
 
 from dflash_cache import lease as lease_mod
 from dflash_cache import open_cache, verify_cache
+from dflash_cache.errors import CacheError
 from dflash_cache.lease import LeaseHeldError, LeaseLostError, PartCommittedError, acquire, lease_name, newest
 from dflash_cache.storage import LocalStorage, make_storage
 from dflash_cache.synthetic import make_synthetic_cache, synthetic_features
@@ -230,17 +231,140 @@ def test_concurrent_creators_of_one_cache_all_succeed(tmp_path):
     assert open_cache(str(tmp_path / "c")).head_record() is not None
 
 
+class _TakenAndGivenBack(LocalStorage):
+    """Storage of a process whose lease creations meet other holders in a fixed order. In the first
+    ``vanish`` creations of a lease file, between making the part directory and creating the temporary
+    file in it, another holder takes the part and releases it, removing its empty directory (what a writer
+    that aborts an empty part does): the directory is gone when this process writes into it. In the
+    ``give_back`` creations before those, another holder creates the very generation first and gives it back
+    before this process looks again. With ``keep``, the holder of the last meeting keeps the part."""
+
+    def __init__(self, root: str, vanish: int = 0, give_back: int = 0, keep: bool = False):
+        super().__init__(root)
+        self.others = LocalStorage(root)  # the other holders: the same directory, without these meetings
+        self.vanish, self.give_back, self.keep = vanish, give_back, keep
+        self.giving_back = False
+        self.met: list[str] = []  # what happened, in order
+        self.kept = None
+
+    def _last(self) -> bool:
+        return self.vanish + self.give_back == 0
+
+    def _new_temp(self, path, data, durable):
+        if self.vanish and not self.giving_back and path.name.startswith("lease."):
+            self.vanish -= 1
+            other = acquire(self.others, "buckets/0/p")
+            if self.keep and self._last():
+                self.kept = other
+            else:
+                other.release(remove_dir=True)
+                assert not path.parent.exists()
+            self.met.append("vanished")
+        return super()._new_temp(path, data, durable)
+
+    def create_exclusive(self, key, data, durable=False):
+        if not (self.give_back and key.rsplit("/", 1)[-1].startswith("lease.")):
+            return super().create_exclusive(key, data, durable)
+        self.give_back -= 1
+        other = acquire(self.others, "buckets/0/p")
+        assert other.file == key  # the generation this process is about to create
+        self.giving_back = True
+        try:
+            created = super().create_exclusive(key, data, durable)
+        finally:
+            self.giving_back = False
+        if self.keep and self._last():
+            self.kept = other
+        else:
+            other.release(remove_dir=True)
+        self.met.append("given back")
+        return created
+
+
 def test_racing_acquire_and_release_stay_exclusive(tmp_path):
+    """An acquire whose part other holders take and give back under it, again and again (its empty directory
+    removed while this process creates its lease file there, or the generation it creates taken first and
+    released before it looks again), gets the part: a lost race is no error (it once raised
+    FileNotFoundError('directory keeps disappearing') after five removals, or gave up after eight lost races)."""
+    st = _TakenAndGivenBack(str(tmp_path / "c"), vanish=12, give_back=12)
+    lease = acquire(st, "buckets/0/p")
+    assert st.met == ["given back"] * 12 + ["vanished"] * 12
+    assert lease.held() and newest(st, "buckets/0/p") == (lease.gen, newest(st, "buckets/0/p")[1])
+    assert newest(st, "buckets/0/p")[1].token == lease.token
+    lease.release(remove_dir=True)
+    assert not (tmp_path / "c/buckets/0/p").exists()
+
+
+@pytest.mark.parametrize("last", ["vanished", "given back"])
+def test_an_acquire_that_meets_a_holder_which_keeps_the_part_names_it(tmp_path, last):
+    """Of the same meetings, the last holder keeps the part: the acquire reports it (LeaseHeldError naming
+    that holder), and holds nothing."""
+    st = _TakenAndGivenBack(str(tmp_path / "c"), vanish=3 if last == "vanished" else 0,
+                            give_back=3 if last == "given back" else 2, keep=True)
+    with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()} on host"):
+        acquire(st, "buckets/0/p")
+    assert st.met[-1] == last and st.kept is not None and st.kept.held()
+    assert newest(st, "buckets/0/p")[1].token == st.kept.token
+    st.kept.release(remove_dir=True)
+
+
+def test_an_acquire_that_loses_every_race_says_nobody_holds_the_part(tmp_path):
+    """Other holders take and give back the generation it creates on every one of its tries: a clear error
+    that says so (nobody holds the part; rerun), not a FileNotFoundError, and no lease left behind."""
+    st = _TakenAndGivenBack(str(tmp_path / "c"), give_back=10_000)
+    with pytest.raises(CacheError, match="took its lease and gave it back again on each of this process's tries"):
+        acquire(st, "buckets/0/p")
+    assert st.met == ["given back"] * 32 and newest(st, "buckets/0/p") == (0, None)
+
+
+class _ReleasedWhileTakenOver(LocalStorage):
+    """Storage of a process taking over a part whose holder is releasing it: the holder is already dead to
+    everyone (dropped from its keeper, as ``release`` does first), and while this process creates the next
+    generation, the holder finishes its release (its lease file and the empty directory removed) and another
+    process takes the part afresh: generation 1 again, numbering restarted."""
+
+    def __init__(self, root: str, releasing):
+        super().__init__(root)
+        self.others = LocalStorage(root)
+        self.releasing, self.fresh = releasing, None
+
+    def create_exclusive(self, key, data, durable=False):
+        if self.releasing is not None and key.rsplit("/", 1)[-1].startswith("lease."):
+            self.releasing.release(remove_dir=True)
+            self.releasing = None
+            self.fresh = acquire(self.others, "buckets/0/p")
+            assert self.fresh.gen == 1
+        return super().create_exclusive(key, data, durable)
+
+
+def test_a_takeover_whose_numbering_restarted_under_it_does_not_hold_beside_the_fresh_holder(tmp_path):
+    """The takeover created generation 2 above the released holder's 1 while a fresh holder took generation 1
+    again: the higher number is not the newer holder. It withdraws and names the fresh holder (it once
+    returned a lease as well: two holders of one part)."""
+    first = acquire(LocalStorage(str(tmp_path / "c")), "buckets/0/p")
+    lease_mod._keeper.drop(first)  # release() begins: dead to everyone from here on
+    st = _ReleasedWhileTakenOver(str(tmp_path / "c"), first)
+    with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()} on host"):
+        acquire(st, "buckets/0/p")
+    assert st.fresh is not None and st.fresh.held() and st.fresh.gen == 1
+    assert sorted(os.listdir(tmp_path / "c/buckets/0/p")) == [lease_name(1)]  # its withdrawn generation 2 is gone
+    assert newest(st, "buckets/0/p")[1].token == st.fresh.token
+    st.fresh.release(remove_dir=True)
+
+
+def test_threads_taking_and_giving_back_one_part_never_overlap(tmp_path):
     """Threads take and give back one part as fast as they can (a released empty part directory is
-    removed, so creators race its removal): never two holders, never an error."""
+    removed, so creators race its removal) until they won it 150 times: never two holders, never an error.
+    (The interleavings that once broke this are driven one by one in the tests above.)"""
     import threading
 
     st = LocalStorage(str(tmp_path / "c"))
     holding, overlaps, errors, wins = [], [], [], []
     lock = threading.Lock()
+    deadline = time.monotonic() + 300
 
     def worker() -> None:
-        for _ in range(150):
+        while len(wins) < 150 and time.monotonic() < deadline:
             try:
                 lease = acquire(st, "buckets/0/p")
             except LeaseHeldError:
@@ -261,4 +385,4 @@ def test_racing_acquire_and_release_stay_exclusive(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and set(overlaps) == {0} and len(wins) > 100
+    assert errors == [] and set(overlaps) == {0} and len(wins) >= 150

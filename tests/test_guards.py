@@ -299,3 +299,31 @@ def test_resume_in_the_middle_of_a_level_shift_is_bitwise(cache, tmp_path):
     want = {r["step"]: (r["train/loss"], r["train/skipped"], r["train/guard_rebaselines"]) for r in read_metrics(straight)}
     got = {r["step"]: (r["train/loss"], r["train/skipped"], r["train/guard_rebaselines"]) for r in read_metrics(resumed)}
     assert got == want and want[30][2] == 1 and want[16][1] == 1
+
+
+def test_a_resume_inside_the_window_after_a_level_shift_refuses_a_second_shift_up_as_the_straight_run(cache, tmp_path):
+    """The norm x40 from step 14 (accepted as a level shift), then x40 again from step 30, well inside
+    guards.window: the uninterrupted run refuses the second shift and stops with exit 3. A run resumed from the
+    checkpoint at step 24 (after the accepted shift, before the second) remembers the first shift (the guard's
+    since_shift is part of its checkpointed state) and does the same, step for step; without that memory it
+    would re-baseline the second shift and train on."""
+    import shutil
+
+    faults = json.dumps({"grad_shifts": [[14, 40.0], [30, 40.0]]})
+    sets = ("train.max_steps=60", "checkpoint.every_steps=4", "checkpoint.keep_last=20")
+    straight = tmp_path / "straight"
+    proc = run_train(BASE, cache, straight, *sets, expect=3, DFLASH_TEST_FAULTS=faults)
+    assert "a second level shift up" in proc.stderr, proc.stderr[-2000:]
+    want = {r["step"]: (r["train/loss"], r["train/skipped"], r["train/guard_rebaselines"]) for r in read_metrics(straight)}
+    first_skips = [s for s, (_, skipped, _) in want.items() if skipped and s < 30]
+    assert first_skips and min(first_skips) == 14 and max(first_skips) < 24 and want[24][2] == 1
+    assert all(want[s][1] for s in range(30, max(want) + 1)) and want[max(want)][2] == 1
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    for ckpt in (resumed / "checkpoints").iterdir():
+        if int(ckpt.name.split("-")[1]) > 24:
+            shutil.rmtree(ckpt)
+    proc = run_train(BASE, cache, resumed, *sets, expect=3, DFLASH_TEST_FAULTS=faults)
+    assert "step-00000024" in proc.stderr and "a second level shift up" in proc.stderr, proc.stderr[-2000:]
+    got = {r["step"]: (r["train/loss"], r["train/skipped"], r["train/guard_rebaselines"]) for r in read_metrics(resumed)}
+    assert got == want

@@ -191,6 +191,10 @@ CASES = {
     "embedding-scale": released_config(dflash_config={"input_embedding_scale": 2.5}),
     "full-layers-is_causal-true": released_config(layer_types=["full_attention"] * 2, is_causal=True,
                                                   use_sliding_window=False, sliding_window=None),
+    # both switches, disagreeing: is_causal decides, as in every engine that reads it (vLLM reads it before
+    # dflash_config.causal; the reference and SGLang read only it)
+    "is_causal-false-over-causal-true": released_config(is_causal=False, dflash_config={"causal": True}),
+    "is_causal-true-over-causal-false": released_config(is_causal=True, dflash_config={"causal": False}),
 }
 
 
@@ -212,8 +216,10 @@ def test_a_released_config_trains_and_exports_as_the_reference_reads_it(tmp_path
     after = _trained_logits(model, batch)
     out = export_drafter(model.state_dict(), model.config, tmp_path / "export", dtype="float32")
     exported = json.loads((out / "config.json").read_text())
-    # the rule goes back out unchanged: the same causality key, the same per-layer reading, the same scale
+    # the rule goes back out unchanged: the same causality key, the same per-layer reading, the same scale; the
+    # vLLM key, when written, agrees with it (so that vLLM versions that read only dflash_config.causal agree too)
     assert exported.get("is_causal") == config.get("is_causal")
+    assert exported["dflash_config"].get("causal", exported.get("is_causal")) == exported.get("is_causal")
     assert [reference_causal(exported, i) for i in range(LAYERS)] == [reference_causal(config, i) for i in range(LAYERS)]
     assert exported["dflash_config"].get("input_embedding_scale", 1.0) == config["dflash_config"].get(
         "input_embedding_scale", 1.0)
@@ -258,6 +264,20 @@ def test_a_released_config_asking_for_what_is_not_implemented_is_refused_by_name
     with pytest.raises(ConfigError) as err:
         build_drafter(_model_section(released), _spec(), tiny_head(3))
     assert all(n in str(err.value) for n in names), str(err.value)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_is_causal_decides_over_a_disagreeing_dflash_config_causal_with_a_warning(tmp_path, caplog, is_causal):
+    """Both switches given, disagreeing: each layer follows is_causal (the engines' precedence), and the warm start
+    says so, naming both keys and the vLLM versions that would read the other."""
+    config = released_config(is_causal=is_causal, dflash_config={"causal": not is_causal})
+    with caplog.at_level(logging.WARNING):
+        model = build_drafter(_model_section(write_released(tmp_path / "r", config)), _spec(), tiny_head(3))
+    rule = "causal" if is_causal else "bidirectional"
+    assert [model.config.within_block(i) for i in range(LAYERS)] == [rule, rule]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "is_causal" in r.getMessage()]
+    assert len(said) == 1 and "is_causal decides" in said[0] and f"dflash_config.causal = {str(not is_causal).lower()}" \
+        in said[0] and "vLLM versions" in said[0], said
 
 
 def test_neutral_engine_fields_and_an_agreeing_causal_key_are_accepted(tmp_path):

@@ -152,6 +152,44 @@ def test_every_bad_record_is_counted_by_reason_with_skip_bad(tiny_teacher_dir, t
     assert [json.loads(line)["id"] for line in regen.read_text().splitlines()] == [0, 8]
 
 
+# conversations that alternate in their first exchange and stop later (the turn numbers are the file's: system
+# turns and turns dropped before the first user turn count)
+LATE_BREAKS = {
+    "turn 3": ({"id": "l_3", "conversations": [_turn("human", Q), _turn("gpt", A), _turn("human", "And lakes?"),
+                                               _turn("human", "Hello?"), _turn("gpt", A)]},
+               "turn 3 is 'user' where 'assistant' was expected"),
+    "turn 5": ({"id": "l_5", "conversations": [_turn("system", "Be brief."), _turn("human", Q), _turn("gpt", A),
+                                               _turn("human", "And lakes?"), _turn("gpt", A), _turn("gpt", A)]},
+               "turn 5 is 'assistant' where 'user' was expected"),
+    "turn 6 of a split piece": ({"id": "l_6", "conversations": [_turn("gpt", "...and so on."), _turn("human", Q),
+                                                                _turn("gpt", A), _turn("human", "Why?"),
+                                                                _turn("chatgpt", A), _turn("human", "More?"),
+                                                                _turn("human", "Hello?")]},
+                                "turn 6 is 'user' where 'assistant' was expected"),
+}
+
+
+@pytest.mark.parametrize("where", list(LATE_BREAKS))
+def test_turns_that_stop_alternating_after_the_first_exchange_are_an_error_naming_the_turn(
+        tiny_teacher_dir, tmp_path, capsys, where):
+    record, message = LATE_BREAKS[where]
+    data = _array(tmp_path / "d.json", [GOOD, record, GOOD])
+    rc, _, err = _estimate(tiny_teacher_dir, data, capsys)
+    assert rc == 2 and f"{data}#1: {message}" in err and "--skip-bad" in err and "Traceback" not in err
+
+
+def test_turns_that_stop_alternating_later_are_counted_skips_with_skip_bad(tiny_teacher_dir, tmp_path, capsys):
+    data = _array(tmp_path / "d.json", [GOOD, *(r for r, _ in LATE_BREAKS.values()), SPLIT])
+    want = ("records read: 5, used 2, skipped 3 (turns do not alternate 3); 2 turns before the first user turn "
+            "dropped from 1 records")
+    rc, est, err = _estimate(tiny_teacher_dir, data, capsys, "--skip-bad")
+    assert rc == 0 and want in est and "skipped: 3 bad (3 when read, 0 when tokenized)" in est, (est, err)
+    out = tmp_path / "cache"
+    rc, stdout, err = _extract(tiny_teacher_dir, data, out, capsys, "--skip-bad")
+    assert rc == 0 and want in stdout and "skipped: 3 bad records" in stdout, err
+    assert sorted(open_cache(str(out)).index().sample_ids.tolist()) == [0, 4]  # ids are positions in the file
+
+
 def _truncated(tmp_path: Path, name: str = "cut.json") -> tuple[Path, int, int]:
     """Three complete records, then the fourth cut off mid-string: ``(path, byte where record 4 starts, size)``."""
     head = "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in [GOOD, SYSTEM, GOOD]) + ",\n"

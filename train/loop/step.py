@@ -37,7 +37,8 @@ class FaultPlan:
     From step ``grad_scale_from`` on, the gradient (not the logged loss) is multiplied by ``grad_scale``: a
     lasting level shift of the gradient norm that a scale-invariant optimizer (AdamW, Muon) trains through;
     with ``grad_growth`` also by ``grad_growth ** (step - grad_scale_from)``: a norm growing geometrically
-    under an unchanged loss.
+    under an unchanged loss. Each ``[step, factor]`` of ``grad_shifts`` multiplies the gradient by ``factor``
+    from ``step`` on, on top of the above: several level shifts, one after another.
 
     Set through ``DFLASH_TEST_FAULTS='{"nan_steps": [5], "spike_steps": [9], "spike_scale": 1e6}'``."""
 
@@ -47,6 +48,7 @@ class FaultPlan:
     grad_scale_from: int | None = None
     grad_scale: float = 1.0
     grad_growth: float = 1.0
+    grad_shifts: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -59,17 +61,20 @@ class FaultPlan:
                        frozenset(int(s) for s in spec.get("spike_steps", [])),
                        float(spec.get("spike_scale", 1e6)),
                        None if spec.get("grad_scale_from") is None else int(spec["grad_scale_from"]),
-                       float(spec.get("grad_scale", 1.0)), float(spec.get("grad_growth", 1.0)))
+                       float(spec.get("grad_scale", 1.0)), float(spec.get("grad_growth", 1.0)),
+                       tuple((int(s), float(f)) for s, f in spec.get("grad_shifts", [])))
         except (ValueError, TypeError, AttributeError) as err:
             raise ConfigError(f"{FAULTS_ENV}={raw!r}: expected a JSON object with nan_steps / spike_steps lists "
-                              f"and an optional spike_scale ({err})") from None
+                              f"and an optional spike_scale, grad_scale_from / grad_scale / grad_growth, grad_shifts "
+                              f"[[step, factor], ...] ({err})") from None
         return plan
 
     def backward_scale(self, step: int) -> float:
         """The gradient multiplier of ``step`` (1.0 unless a level shift is injected)."""
+        shifts = math.prod(f for s, f in self.grad_shifts if step >= s)
         if self.grad_scale_from is None or step < self.grad_scale_from:
-            return 1.0
-        return self.grad_scale * self.grad_growth ** (step - self.grad_scale_from)
+            return shifts
+        return shifts * self.grad_scale * self.grad_growth ** (step - self.grad_scale_from)
 
     def scale(self, step: int) -> float:
         """The loss multiplier of ``step``: NaN, ``spike_scale`` or 1.0."""

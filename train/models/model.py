@@ -322,8 +322,10 @@ def _reader_rules(flag: Any) -> dict[str, str]:
 def released_within_block(d: dict[str, Any]) -> tuple[str, str]:
     """``(sliding rule, full rule)`` of a drafter ``config.json`` as its readers apply it (docs/serving.md): the DFlash
     reference (dflash 0.1.0) and SGLang read the top-level ``is_causal``, vLLM ``is_causal`` else
-    ``dflash_config.causal``; without either, sliding layers are causal and full layers bidirectional. A config the
-    readers would read differently, or whose ``dflash_config.sliding_within_block`` (this product's key) says
+    ``dflash_config.causal``; without either, sliding layers are causal and full layers bidirectional. So when both
+    keys are given and differ, ``is_causal`` decides (every engine that reads it reads it first; only vLLM versions
+    from before it read ``dflash_config.causal``): a warning names both, and an export writes them agreeing. A config
+    the readers would read differently, or whose ``dflash_config.sliding_within_block`` (this product's key) says
     otherwise than they do, is refused: which rule it was trained with cannot be known."""
     dc = d.get("dflash_config") or {}
     is_causal, causal = d.get("is_causal"), dc.get("causal")
@@ -331,6 +333,12 @@ def released_within_block(d: dict[str, Any]) -> tuple[str, str]:
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"drafter config.json: {name} = {value!r}; expected true, false or no key")
     kinds = set(d.get("layer_types") or ["full_attention"])
+    if is_causal is not None and causal is not None and is_causal != causal:
+        log.warning("drafter config.json: is_causal = %s and dflash_config.causal = %s: is_causal decides (the DFlash "
+                    "reference, SGLang and vLLM read it first), so every layer is %s within the block; vLLM versions "
+                    "that read only dflash_config.causal would serve it otherwise; an export writes both keys as %s "
+                    "(or neither, where that rule is the engines' default)", str(is_causal).lower(), str(causal).lower(),
+                    "causal" if is_causal else "bidirectional", str(is_causal).lower())
     reference = {k: v for k, v in _reader_rules(is_causal).items() if k in kinds}
     vllm = {k: v for k, v in _reader_rules(is_causal if is_causal is not None else causal).items() if k in kinds}
     if reference != vllm:
